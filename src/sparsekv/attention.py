@@ -1,0 +1,118 @@
+"""The attention function registered with transformers: dense prefill, sparse decode.
+
+Models call `past_key_values.update(...)` and then this function with `module.layer_idx`; the enabled model's
+`SparseRuntime` (attached to each attention module by `sparsekv.enable`) tells which `SparseCache` is live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from sparsekv.cache import SparseCache
+from sparsekv.config import SparseConfig
+from sparsekv.kernels.sparse_attention import sparse_attention
+from sparsekv.selectors.base import DecodeStep
+
+ATTENTION_NAME = "sparsekv"
+RUNTIME_ATTR = "_sparsekv_runtime"
+
+
+@dataclass
+class SparseRuntime:
+    """Per enabled model: its config and the cache of the forward pass in flight."""
+
+    config: SparseConfig
+    cache: SparseCache | None = None
+
+
+def register() -> None:
+    AttentionInterface.register(ATTENTION_NAME, sparse_attention_forward)
+    # masks are built exactly as for SDPA, which the dense path delegates to
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def visibility(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+    """[B, Q, N] bool: which cached keys each new query may see (causal past, padding removed)."""
+    if attention_mask is None:
+        query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+        causal = torch.arange(kv_len, device=device)[None, :] <= query_pos[:, None]
+        return causal[None].expand(batch, -1, -1)
+    mask = attention_mask[:, 0, -q_len:, :kv_len]
+    if mask.dtype != torch.bool:
+        mask = mask == 0  # additive float mask: 0 = attend, -inf/min = masked
+    return mask.expand(batch, -1, -1)
+
+
+def forced_tokens(visible: torch.Tensor, sink: int, local: int) -> torch.Tensor:
+    """The first `sink` and last `local` visible tokens of each query row."""
+    if sink == 0 and local == 0:
+        return torch.zeros_like(visible)
+    rank = visible.cumsum(-1)  # 1-based among visible tokens
+    count = rank[..., -1:]
+    return visible & ((rank <= sink) | (rank > count - local))
+
+
+def token_budgets(config: SparseConfig, visible: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """[B, Q] tokens to keep: the config's budget for the visible count, never fewer than the forced tokens."""
+    seen = visible.sum(-1)
+    if isinstance(config.budget, float):
+        budget = torch.ceil(seen.double() * config.budget).long()
+    else:
+        budget = torch.full_like(seen, config.budget)
+    return torch.maximum(budget, forced.sum(-1)).clamp(min=1).minimum(seen.clamp(min=1))
+
+
+def sparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
+    runtime: SparseRuntime | None = getattr(module, RUNTIME_ATTR, None)
+    cache = runtime.cache if runtime is not None else None
+    layer = cache.layers[module.layer_idx] if cache is not None else None
+    if layer is None or layer.selector is None or layer.keys is not key:
+        # not ours (no cache / another cache / dense layer): plain SDPA, exactly what the model would do
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    selector, pruner = layer.selector, layer.pruner
+    new_keys, new_values = key[..., -layer.new_tokens :, :], value[..., -layer.new_tokens :, :]
+    if layer.past_length == 0:
+        selector.prefill(key, value, query)
+        if pruner is not None:
+            pruner.prefill(key, value, query)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    selector.append(new_keys, new_values)
+    if pruner is not None:
+        pruner.append(new_keys, new_values)
+    config = cache.config
+    batch, _, q_len, _ = query.shape
+    visible = visibility(attention_mask, batch, q_len, key.shape[2], key.device)
+    forced = forced_tokens(visible, config.sink, config.local)
+    step = DecodeStep(
+        query=query,
+        keys=key,
+        values=value,
+        visible=visible,
+        forced=forced,
+        budgets=token_budgets(config, visible, forced),
+        layer=selector.layer,
+        gqa=config.gqa,
+    )
+    selection = selector.select(step)
+    if pruner is not None:
+        selection = pruner.prune(step, selection)
+    cache.stats.record(module.layer_idx, selection, visible)
+    scale = scaling if scaling is not None else selector.layer.scaling
+    out = sparse_attention(query, key, value, selection.indices, selection.valid, scale)
+    return out.transpose(1, 2).contiguous(), None

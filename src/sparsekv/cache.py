@@ -1,0 +1,157 @@
+"""SparseCache: a transformers `Cache` whose layers hold K/V plus that layer's selector state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from sparsekv.config import SparseConfig
+from sparsekv.pruners.base import Pruner
+from sparsekv.registry import get_method_class, get_top_p_pruner
+from sparsekv.selectors.base import LayerInfo, Selection, TokenSelector
+
+
+def layer_infos(model) -> list[LayerInfo]:
+    config = model.config.get_text_config(decoder=True)
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    return [
+        LayerInfo(
+            layer_idx=i,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scaling=head_dim**-0.5,
+        )
+        for i in range(config.num_hidden_layers)
+    ]
+
+
+class SparseLayer(DynamicLayer):
+    """K/V in a buffer grown by doubling (appending one token is O(1), not a copy of the whole cache),
+    plus the layer's selector (None on dense layers)."""
+
+    def __init__(self, selector: TokenSelector | None, pruner: Pruner | None = None, initial_capacity: int = 0):
+        super().__init__()
+        self.selector = selector
+        self.pruner = pruner
+        self.initial_capacity = initial_capacity
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self.length = 0
+        self.new_tokens = 0
+
+    @property
+    def past_length(self) -> int:
+        """Tokens cached before the latest update (0 during the prefill)."""
+        return self.length - self.new_tokens
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        needed = self.length + new
+        if self._key_buffer is None or needed > self._key_buffer.shape[-2]:
+            capacity = max(needed, self.initial_capacity, 2 * (0 if self._key_buffer is None else self.length))
+            self._key_buffer = self._grow(self._key_buffer, key_states, capacity)
+            self._value_buffer = self._grow(self._value_buffer, value_states, capacity)
+        self._key_buffer[..., self.length : needed, :] = key_states
+        self._value_buffer[..., self.length : needed, :] = value_states
+        self.length, self.new_tokens = needed, new
+        self.keys = self._key_buffer[..., :needed, :]
+        self.values = self._value_buffer[..., :needed, :]
+        return self.keys, self.values
+
+    def _grow(self, buffer: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        shape = (*like.shape[:-2], capacity, like.shape[-1])
+        grown = torch.empty(shape, dtype=like.dtype, device=like.device)
+        if buffer is not None:
+            grown[..., : self.length, :] = buffer[..., : self.length, :]
+        return grown
+
+    def reset(self) -> None:
+        raise NotImplementedError("a SparseCache cannot be reset; create a new one")
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(
+            "SparseCache does not support cropping, beam search or batch reordering "
+            "(selector state would go stale); use greedy or sampling without beams"
+        )
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+@dataclass
+class BudgetStats:
+    """Tokens attended per (query, selection head) row of the sparse layers' decode steps."""
+
+    num_layers: int
+    kept_counts: list[list[torch.Tensor]] = field(default_factory=list)
+    visible_counts: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.kept_counts = [[] for _ in range(self.num_layers)]
+        self.visible_counts = [[] for _ in range(self.num_layers)]
+
+    def record(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
+        """selection counts [B, S, Q]; visible [B, Q, N]."""
+        self.kept_counts[layer_idx].append(selection.counts().flatten().to("cpu", torch.int32))
+        seen = visible.sum(-1)[:, None].expand(-1, selection.indices.shape[1], -1)
+        self.visible_counts[layer_idx].append(seen.flatten().to("cpu", torch.int32))
+
+    def layer_counts(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept, visible) per recorded row of one layer, as flat int tensors."""
+        kept, seen = self.kept_counts[layer_idx], self.visible_counts[layer_idx]
+        if not kept:
+            return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+        return torch.cat(kept), torch.cat(seen)
+
+    def summary(self) -> dict:
+        """Mean tokens attended per query row and selection head over the sparse layers' decode steps."""
+        per_layer, kept_all, seen_all = {}, [], []
+        for i in range(self.num_layers):
+            kept, seen = self.layer_counts(i)
+            if kept.numel():
+                per_layer[i] = float(kept.float().mean())
+                kept_all.append(kept)
+                seen_all.append(seen)
+        if not kept_all:
+            return {"avg_budget_tokens": None, "avg_context_tokens": None, "avg_budget_fraction": None,
+                    "per_layer_avg_tokens": {}}
+        kept, seen = torch.cat(kept_all).double(), torch.cat(seen_all).double()
+        return {
+            "avg_budget_tokens": float(kept.mean()),
+            "avg_context_tokens": float(seen.mean()),
+            "avg_budget_fraction": float((kept / seen.clamp(min=1)).mean()),
+            "per_layer_avg_tokens": per_layer,
+        }
+
+
+class SparseCache(Cache):
+    """One `SparseLayer` per decoder layer; sparse layers carry a fresh selector instance."""
+
+    def __init__(self, config: SparseConfig, infos: list[LayerInfo], initial_capacity: int = 0):
+        method = get_method_class(config.method)
+        if infos:
+            config.check_model(infos[0].num_layers)
+        pruner_class = get_top_p_pruner() if config.top_p is not None and not method.consumes_top_p else None
+        layers = []
+        for info in infos:
+            if method.dense or info.layer_idx in config.dense_layers:
+                layers.append(SparseLayer(None, None, initial_capacity))
+                continue
+            selector = method(config, info, **config.options)
+            pruner = pruner_class(config, info) if pruner_class else None
+            layers.append(SparseLayer(selector, pruner, initial_capacity))
+        super().__init__(layers=layers)
+        self.config = config
+        self.infos = infos
+        self.stats = BudgetStats(len(infos))
+
+    @classmethod
+    def for_model(cls, model, config: SparseConfig, initial_capacity: int = 0) -> SparseCache:
+        return cls(config, layer_infos(model), initial_capacity)

@@ -1,0 +1,101 @@
+"""User-facing configuration, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+GQAPolicy = Literal["group", "head"]
+GQA_POLICIES = ("group", "head")
+
+
+class ConfigError(ValueError):
+    """A SparseConfig (or an input to the pipeline) that cannot work; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """How decode attention picks its tokens.
+
+    budget: tokens attended per query and per selection head, sink/local included; an int is a token count,
+        a float in (0, 1) a fraction of the tokens visible to that query (rounded up, at least 1).
+    top_p: optional Twilight-style pruning of the selected candidates to the smallest set with estimated
+        attention mass >= top_p.
+    dense_layers: layers that always attend densely (the first two by default, as in Quest / Twilight).
+    sink / local: the first `sink` and the last `local` visible tokens are always kept.
+    gqa: "group" = one selection per kv-head serving all its query heads (scores summed over the group);
+        "head" = one selection per query head.
+    options: method-specific settings (e.g. {"bits": 256} for lsh); unknown keys are rejected by the method.
+    """
+
+    method: str = "dense"
+    budget: int | float = 0.1
+    top_p: float | None = None
+    dense_layers: tuple[int, ...] = (0, 1)
+    sink: int = 0
+    local: int = 0
+    gqa: GQAPolicy = "group"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from sparsekv.registry import get_method_class, method_options  # late: the registry imports the methods
+
+        accepted = method_options(self.method)  # raises ConfigError listing the known methods
+        budget = self.budget
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise ConfigError(f"budget must be an int (tokens) or a float in (0, 1) (fraction), got {budget!r}")
+        if isinstance(budget, float):
+            if not math.isfinite(budget) or budget <= 0:
+                raise ConfigError(f"budget must be > 0, got {budget}")
+            if budget >= 1:
+                raise ConfigError(
+                    f"a fractional budget must be < 1, got {budget}; pass an int for a token count "
+                    f"(e.g. budget={int(budget)})"
+                )
+        elif budget <= 0:
+            raise ConfigError(f"budget must be > 0 tokens, got {budget}")
+        if self.top_p is not None:
+            if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)):
+                raise ConfigError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            if not 0 < self.top_p <= 1:
+                raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("sink", "local"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+        if isinstance(budget, int) and self.sink + self.local > budget:
+            raise ConfigError(
+                f"sink ({self.sink}) + local ({self.local}) tokens exceed the budget ({budget}); "
+                "they count inside it"
+            )
+        if self.gqa not in GQA_POLICIES:
+            raise ConfigError(f"gqa must be one of {', '.join(GQA_POLICIES)}, got {self.gqa!r}")
+        layers = tuple(self.dense_layers)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+            raise ConfigError(f"dense_layers must be non-negative layer indices, got {self.dense_layers!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(layers))))
+        if not isinstance(self.options, dict):
+            raise ConfigError(f"options must be a dict, got {type(self.options).__name__}")
+        unknown = sorted(set(self.options) - set(accepted))
+        if unknown:
+            raise ConfigError(
+                f"method {self.method!r} has no option(s) {unknown}; "
+                f"its options: {', '.join(sorted(accepted)) or 'none'}"
+            )
+        object.__setattr__(self, "options", dict(self.options))
+        get_method_class(self.method).check_config(self)
+
+    def check_model(self, num_layers: int) -> None:
+        """Checks what depends on the model (raised at `enable`)."""
+        bad = [i for i in self.dense_layers if i >= num_layers]
+        if bad:
+            raise ConfigError(
+                f"dense layer(s) {bad} out of range: the model has {num_layers} layers (0..{num_layers - 1})"
+            )
+
+    def tokens_for(self, visible: int) -> int:
+        """Budget in tokens for a query that sees `visible` tokens (before sink/local are forced in)."""
+        if isinstance(self.budget, float):
+            return max(1, min(visible, math.ceil(self.budget * visible)))
+        return min(visible, self.budget)

@@ -1,0 +1,42 @@
+"""Attention of each query over its own selected keys (varlen per row through `valid`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sparse_attention_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq.
+
+    Returns [B, Hq, Q, d]. Every row must have at least one valid index.
+    """
+    batch, num_heads, _, _ = query.shape
+    num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.bool, device=indices.device)
+    mask.scatter_(-1, indices, valid)
+    if mask.shape[1] != num_heads:
+        mask = mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
+    group = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=1)
+    values = values.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+
+
+def sparse_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Dispatch: Triton on CUDA where a kernel covers the case, else the reference."""
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling)

@@ -1,0 +1,1 @@
+"""Second-stage pruners applied to any selector's candidates (Twilight top-p)."""

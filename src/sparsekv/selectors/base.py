@@ -1,0 +1,136 @@
+"""The contract between the decode pipeline and every token-selection method.
+
+One selector instance lives in each sparse layer of a `SparseCache`, so its incremental state (bit codes, page
+min/max, quantized keys...) is per layer and per generation. The pipeline calls, per layer:
+
+    prefill(keys, values, query)     once, after the dense prefill (query = the prefill queries)
+    append(keys, values)             for each later batch of new tokens, before they are queried
+    select(step) -> Selection        for the new queries; step.visible holds each query's own causal past
+
+A simple method only implements `score` (higher = keep); the shared `select` handles budgets, sink/local tokens,
+causality, padding and the GQA policy. A method with another selection rule (top-p, eviction) overrides `select`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparsekv.config import SparseConfig
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    layer_idx: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclass
+class Selection:
+    """Selected key positions, varlen per (batch, selection head, query) through `valid`.
+
+    indices: [B, S, Q, K] int64 key positions; S = kv heads (gqa "group") or query heads (gqa "head").
+    valid:   [B, S, Q, K] bool; padding entries are False and their index is meaningless (but in range).
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor
+
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def to_mask(self, num_keys: int) -> torch.Tensor:
+        """[B, S, Q, N] bool mask of the selected keys."""
+        mask = torch.zeros(*self.indices.shape[:-1], num_keys, dtype=torch.bool, device=self.indices.device)
+        return mask.scatter_(-1, self.indices, self.valid)
+
+
+@dataclass
+class DecodeStep:
+    """Everything a selector sees for one attention call of new queries after the prefill.
+
+    query:   [B, Hq, Q, d] post-RoPE queries; keys/values: [B, Hkv, N, d] the whole cache, new tokens included.
+    visible: [B, Q, N] bool, each query's causal past without padding.
+    forced:  [B, Q, N] bool, sink/local tokens that are always kept (subset of visible).
+    budgets: [B, Q] int64 tokens to keep per query (forced included, never above the visible count).
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    visible: torch.Tensor
+    forced: torch.Tensor
+    budgets: torch.Tensor
+    layer: LayerInfo
+    gqa: str
+
+    @property
+    def selection_heads(self) -> int:
+        return self.layer.num_kv_heads if self.gqa == "group" else self.layer.num_heads
+
+
+def to_selection_heads(scores: torch.Tensor, step: DecodeStep) -> torch.Tensor:
+    """Brings [B, Hq|Hkv, Q, N] scores to the GQA policy's selection heads: group-sum or per-head repeat."""
+    heads = scores.shape[1]
+    layer = step.layer
+    if heads == step.selection_heads:
+        return scores
+    if heads == layer.num_heads and step.gqa == "group":
+        b, _, q, n = scores.shape
+        return scores.view(b, layer.num_kv_heads, layer.group_size, q, n).sum(2)
+    if heads == layer.num_kv_heads and step.gqa == "head":
+        return scores.repeat_interleave(layer.group_size, dim=1)
+    raise ValueError(f"scores have {heads} heads; expected {layer.num_heads} or {layer.num_kv_heads}")
+
+
+def topk_selection(scores: torch.Tensor, step: DecodeStep) -> Selection:
+    """Top-`budget` keys per row of `scores` among the visible ones, with forced tokens always in."""
+    scores = to_selection_heads(scores, step).float()
+    visible = step.visible[:, None]
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
+    k_max = int(step.budgets.max())
+    values, indices = scores.topk(k_max, dim=-1, sorted=True)
+    ranks = torch.arange(k_max, device=scores.device)
+    valid = (ranks < step.budgets[:, None, :, None]) & (values > float("-inf"))
+    return Selection(indices=indices, valid=valid)
+
+
+@dataclass
+class TokenSelector:
+    """Base class of every method. Subclasses are dataclasses; their extra fields are the method's options."""
+
+    config: SparseConfig
+    layer: LayerInfo
+
+    name: ClassVar[str] = ""
+    #: attend densely, no selection (the `dense` method)
+    dense: ClassVar[bool] = False
+    #: the method applies config.top_p itself (otherwise top_p adds the Twilight pruner after it)
+    consumes_top_p: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, config: SparseConfig) -> None:
+        """Raises ConfigError for configs this method cannot run (called when the config is built)."""
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        """Builds the state from the prompt's keys/values (and queries, for methods that look at attention)."""
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Extends the state with newly cached tokens."""
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        """[B, Hq or Hkv, Q, N] importance of each key for each query (higher = keep)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement score() or select()")
+
+    def select(self, step: DecodeStep) -> Selection:
+        return topk_selection(self.score(step), step)
