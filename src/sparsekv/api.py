@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache
 from sparsekv.attention import ATTENTION_NAME, RUNTIME_ATTR, SparseRuntime, register
 from sparsekv.cache import SparseCache, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.registry import get_method_class
 
 _STATE_ATTR = "_sparsekv_enabled"
 
@@ -151,13 +152,14 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
         tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos = tokenizer.eos_token_id
+    method = get_method_class(config.method)
     with enabled(model, config):
         cache = SparseCache(config, layer_infos(model))
-        input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+        start = time.perf_counter()
+        input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         generated: list[torch.Tensor] = []
-        start = time.perf_counter()
         for step in range(max_new_tokens):
             logits = model(
                 input_ids=input_ids,

@@ -119,6 +119,13 @@ class TokenSelector:
     consumes_top_p: ClassVar[bool] = False
 
     @classmethod
+    def filter_prompt(
+        cls, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: SparseConfig
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill methods (GemFilter) shorten the prompt before generation; the default keeps it."""
+        return input_ids, attention_mask
+
+    @classmethod
     def check_config(cls, config: SparseConfig) -> None:
         """Raises ConfigError for configs this method cannot run (called when the config is built)."""
 

@@ -1,0 +1,248 @@
+"""`sparsekv` command line. Feature areas add their commands through a `register(app)` function in their own
+module, listed in COMMAND_MODULES, so this file does not grow with every method."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sparsekv.config import ConfigError, SparseConfig
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Sparse KV-cache decoding for HF transformers.")
+console = Console()
+
+#: modules exposing `register(app: typer.Typer)`; a module that is not part of this build is skipped
+COMMAND_MODULES = [
+    "sparsekv.eval.cli",
+    "sparsekv.bench.cli",
+    "sparsekv.training.cli",
+    "sparsekv.selectors.double_sparsity",
+    "sparsekv.selectors.self_index",
+    "sparsekv.prefill.gemfilter",
+]
+
+
+class UserError(Exception):
+    """A bad input reported as one line, without a traceback."""
+
+
+def parse_budget(text: str) -> int | float:
+    """'0.1' -> fraction, '512' -> tokens."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"budget must be an int (tokens) or a fraction in (0, 1), got {text!r}") from None
+
+
+def parse_options(items: list[str] | None) -> dict:
+    """key=value pairs; values are read as JSON when they parse (numbers, booleans, lists), else as strings."""
+    options = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--option expects key=value, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    if text.strip() == "":
+        return ()
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--dense-layers expects comma-separated layer indices, got {text!r}") from None
+
+
+def build_config(
+    method: str,
+    budget: str,
+    top_p: float | None = None,
+    dense_layers: str = "0,1",
+    sink: int = 0,
+    local: int = 0,
+    gqa: str = "group",
+    options: list[str] | None = None,
+) -> SparseConfig:
+    return SparseConfig(
+        method=method,
+        budget=parse_budget(budget),
+        top_p=top_p,
+        dense_layers=parse_layers(dense_layers),
+        sink=sink,
+        local=local,
+        gqa=gqa,
+        options=parse_options(options),
+    )
+
+
+MethodOpt = Annotated[str, typer.Option("--method", "-m", help="selection method (see `sparsekv methods`)")]
+BudgetOpt = Annotated[str, typer.Option(help="tokens (int) or fraction of the context in (0, 1)")]
+TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="prune candidates to attention mass p")]
+DenseLayersOpt = Annotated[str, typer.Option(help="comma-separated layers kept dense")]
+OptionOpt = Annotated[Optional[list[str]], typer.Option("--option", "-o", help="method option key=value")]
+ModelOpt = Annotated[str, typer.Option(help="'default', an HF id, a local HF dir or a .gguf file")]
+DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")]
+DtypeOpt = Annotated[str, typer.Option(help="float32, bfloat16 or float16")]
+OutputOpt = Annotated[Optional[Path], typer.Option(help="write machine-readable JSON here")]
+
+
+def torch_dtype(name: str):
+    import torch
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in dtypes:
+        raise ConfigError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
+    return dtypes[name]
+
+
+def load(model: str, device: str, dtype: str):
+    from sparsekv.models import load_model
+
+    return load_model(model, dtype=torch_dtype(dtype), device=device)
+
+
+def write_json(path: Path | None, payload: dict) -> None:
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n")
+
+
+@app.command()
+def methods() -> None:
+    """List the selection methods and their options."""
+    from sparsekv.registry import available_methods, method_options
+
+    table = Table("method", "options")
+    for name in available_methods():
+        opts = method_options(name)
+        table.add_row(name, ", ".join(f"{k}={f.default!r}" for k, f in opts.items()) or "-")
+    console.print(table)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option(help="the prompt (chat template applied when the model has one)")],
+    model: ModelOpt = "default",
+    method: MethodOpt = "oracle-topk",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: int = 0,
+    local: int = 0,
+    gqa: str = "group",
+    option: OptionOpt = None,
+    max_new_tokens: int = 32,
+    raw: Annotated[bool, typer.Option(help="do not apply the chat template")] = False,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    output: OutputOpt = None,
+) -> None:
+    """Generate greedily with sparse decoding; prints the answer and budget/speed stats."""
+    import sparsekv
+    from sparsekv.models import chat_prompt
+
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    loaded, tokenizer = load(model, device, dtype)
+    text = prompt if raw else chat_prompt(tokenizer, prompt)
+    result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens)
+    console.print(result.texts[0], markup=False, highlight=False)
+    console.print(format_stats(result), style="dim")
+    write_json(output, {"model": model, "prompt": prompt, "budget": config.budget, "top_p": top_p,
+                        **result.to_dict()})
+
+
+def format_stats(result) -> str:
+    if result.avg_budget_tokens is None:
+        budget = "dense (all tokens)"
+    else:
+        budget = (f"{result.avg_budget_tokens:.1f} of {result.avg_context_tokens:.1f} tokens "
+                  f"({100 * result.avg_budget_fraction:.1f}%) per step per sparse layer")
+    return (f"[{result.method}] attended {budget}; prefill {result.prefill_seconds:.2f}s, "
+            f"decode {result.tokens_per_second:.1f} tokens/s")
+
+
+@app.command()
+def demo(
+    model: ModelOpt = "default",
+    method: MethodOpt = "oracle-topk",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    context: Annotated[int, typer.Option(help="haystack tokens around the needle")] = 1000,
+    max_new_tokens: int = 24,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    output: OutputOpt = None,
+) -> None:
+    """Needle in a haystack: dense vs a sparse method, answers, budgets and times side by side."""
+    import sparsekv
+    from sparsekv.models import chat_prompt
+    from sparsekv.niah import needle_prompt
+
+    sparse_config = build_config(method, budget, top_p)
+    loaded, tokenizer = load(model, device, dtype)
+    prompt = chat_prompt(tokenizer, needle_prompt(tokenizer, context_tokens=context, depth=0.5))
+    results = {}
+    for config in (SparseConfig(method="dense"), sparse_config):
+        with console.status(f"generating with {config.method}..."):
+            results[config.method] = sparsekv.generate(loaded, tokenizer, prompt, config, max_new_tokens)
+    table = Table("method", "answer", "tokens attended / step", "prefill s", "decode tok/s")
+    for name, result in results.items():
+        attended = ("all" if result.avg_budget_tokens is None
+                    else f"{result.avg_budget_tokens:.0f} / {result.avg_context_tokens:.0f}")
+        table.add_row(name, result.texts[0].strip(), attended, f"{result.prefill_seconds:.2f}",
+                      f"{result.tokens_per_second:.1f}")
+    console.print(table)
+    dense_text, sparse_text = (r.texts[0].strip() for r in results.values())
+    console.print("same answer" if dense_text == sparse_text else "answers differ",
+                  style="bold green" if dense_text == sparse_text else "bold yellow")
+    write_json(output, {name: r.to_dict() for name, r in results.items()})
+
+
+def _register_command_modules() -> None:
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as error:
+            if error.name and name.startswith(error.name):
+                continue  # that feature is not part of this build
+            raise
+        if hasattr(module, "register"):
+            module.register(app)
+
+
+def main() -> None:
+    _register_command_modules()
+    try:
+        app(standalone_mode=False)
+    except (ConfigError, UserError) as error:
+        console.print(f"error: {error}", style="bold red", markup=False)
+        sys.exit(2)
+    except Exception as error:  # noqa: BLE001 - report known load/asset errors as one line
+        from click.exceptions import Abort, ClickException, Exit
+
+        if isinstance(error, Exit):
+            sys.exit(error.exit_code)
+        if isinstance(error, ClickException):
+            error.show()
+            sys.exit(error.exit_code)
+        if isinstance(error, Abort):
+            sys.exit(130)
+        if type(error).__name__ in ("AssetError", "ModelLoadError"):
+            console.print(f"error: {error}", style="bold red", markup=False)
+            sys.exit(2)
+        raise
