@@ -18,7 +18,7 @@ def sparse_attention_reference(
 
     Returns [B, Hq, Q, d]. Every row must have at least one valid index.
     """
-    batch, num_heads, _, _ = query.shape
+    num_heads = query.shape[1]
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.bool, device=indices.device)
     mask.scatter_(-1, indices, valid)

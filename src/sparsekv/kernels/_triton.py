@@ -1,0 +1,34 @@
+"""Shared dispatch helpers: whether a Triton kernel may run for some tensors, and the SWAR popcount."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is an optional dependency (extra "gpu"); without it every op runs its torch reference
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised on machines without triton
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Kernels run on CUDA tensors; under TRITON_INTERPRET=1 also on CPU tensors (tests)."""
+    if not HAS_TRITON or os.environ.get("SPARSEKV_DISABLE_TRITON", "0") == "1":
+        return False
+    if interpreting():
+        return True
+    return all(t.is_cuda for t in tensors)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())

@@ -1,0 +1,63 @@
+"""Hamming similarity of packed sign codes (XNOR + popcount), summed over each kv-head's GQA group."""
+
+from __future__ import annotations
+
+import torch
+
+from sparsekv.kernels.bits import popcount32
+
+
+def _word_masks(words: int, bits: int, device: torch.device) -> torch.Tensor:
+    """int32 [words]: the valid bits of each word (padding bits beyond `bits` never count as matches)."""
+    if not 0 < bits <= 32 * words:
+        raise ValueError(f"bits={bits} does not fit in {words} int32 words")
+    masks = []
+    for w in range(words):
+        n = min(32, bits - 32 * w)
+        m = 0 if n <= 0 else (1 << n) - 1
+        masks.append(m - 2**32 if m >= 2**31 else m)
+    return torch.tensor(masks, dtype=torch.int32, device=device)
+
+
+def _check(query_codes: torch.Tensor, key_codes: torch.Tensor) -> tuple[int, int]:
+    if query_codes.dtype != torch.int32 or key_codes.dtype != torch.int32:
+        raise TypeError("hamming codes must be int32 (see pack_sign_bits)")
+    if query_codes.dim() != 4 or key_codes.dim() != 4:
+        raise ValueError("query_codes [B, Hq, Q, W] and key_codes [B, Hkv, N, W] expected")
+    b, hq, _, w = query_codes.shape
+    bk, hkv, _, wk = key_codes.shape
+    if b != bk or w != wk or hq % hkv:
+        raise ValueError(
+            f"shape mismatch: query_codes {tuple(query_codes.shape)}, key_codes {tuple(key_codes.shape)}"
+        )
+    return hkv, hq // hkv
+
+
+def hamming_scores_reference(
+    query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int, chunk: int = 4096
+) -> torch.Tensor:
+    """query_codes [B, Hq, Q, W], key_codes [B, Hkv, N, W] int32 -> [B, Hkv, Q, N] int32 matching bits,
+    summed over the query heads of each kv-head's group (query head h belongs to kv head h // g)."""
+    hkv, g = _check(query_codes, key_codes)
+    b, _, q, w = query_codes.shape
+    n = key_codes.shape[2]
+    masks = _word_masks(w, bits, query_codes.device)
+    qc = query_codes.reshape(b, hkv, g, q, 1, w)
+    out = torch.empty(b, hkv, q, n, dtype=torch.int32, device=query_codes.device)
+    # chunk over keys: the xor tensor is g*Q*W times larger than the key codes
+    for start in range(0, n, chunk):
+        kc = key_codes[:, :, None, None, start : start + chunk, :]
+        diff = popcount32((qc ^ kc) & masks).sum(dim=(2, 5), dtype=torch.int32)
+        out[..., start : start + chunk] = g * bits - diff
+    return out
+
+
+def hamming_scores(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
+    """Matching bits per (kv head, query, key), summed over the GQA group: [B, Hkv, Q, N] int32."""
+    from sparsekv.kernels._triton import use_triton
+
+    if use_triton(query_codes, key_codes):
+        from sparsekv.kernels._hamming_triton import hamming_scores_triton
+
+        return hamming_scores_triton(query_codes, key_codes, bits=bits)
+    return hamming_scores_reference(query_codes, key_codes, bits=bits)
