@@ -15,7 +15,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sparsekv.cache import SparseCache
 from sparsekv.config import SparseConfig
-from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep
 
 ATTENTION_NAME = "sparsekv"
@@ -114,5 +113,5 @@ def sparse_attention_forward(
         selection = pruner.prune(step, selection)
     cache.stats.record(module.layer_idx, selection, visible)
     scale = scaling if scaling is not None else selector.layer.scaling
-    out = sparse_attention(query, key, value, selection.indices, selection.valid, scale)
+    out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -55,6 +55,10 @@ class SparseLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
         needed = self.length + new
+        if self.selector is not None and self.selector.stores_kv:
+            self.length, self.new_tokens = needed, new
+            self.keys, self.values = self.selector.store(key_states, value_states)
+            return self.keys, self.values
         if self._key_buffer is None or needed > self._key_buffer.shape[-2]:
             capacity = max(needed, self.initial_capacity, 2 * (0 if self._key_buffer is None else self.length))
             self._key_buffer = self._grow(self._key_buffer, key_states, capacity)

@@ -191,7 +191,7 @@ def demo(
     """Needle in a haystack: dense vs a sparse method, answers, budgets and times side by side."""
     import sparsekv
     from sparsekv.models import chat_prompt
-    from sparsekv.niah import needle_prompt
+    from sparsekv.eval.haystack import needle_prompt
 
     sparse_config = build_config(method, budget, top_p)
     loaded, tokenizer = load(model, device, dtype)

@@ -19,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from sparsekv.config import SparseConfig
+from sparsekv.kernels.sparse_attention import sparse_attention
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class TokenSelector:
     dense: ClassVar[bool] = False
     #: the method applies config.top_p itself (otherwise top_p adds the Twilight pruner after it)
     consumes_top_p: ClassVar[bool] = False
+    #: the method keeps K/V itself (compressed caches): SparseLayer.update calls `store`, attention calls `attend`
+    stores_kv: ClassVar[bool] = False
 
     @classmethod
     def filter_prompt(
@@ -141,3 +144,16 @@ class TokenSelector:
 
     def select(self, step: DecodeStep) -> Selection:
         return topk_selection(self.score(step), step)
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For `stores_kv` methods: keeps the new tokens and returns the (keys, values) handed to attention.
+
+        During the prefill return the full-precision inputs (the dense prefill needs them); afterwards anything
+        whose shape[-2] is the total cached length (e.g. an empty [B, Hkv, N, 0] stand-in) since `attend` reads
+        the method's own storage.
+        """
+        raise NotImplementedError
+
+    def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
+        """[B, Hq, Q, d] attention of the queries over their selected tokens."""
+        return sparse_attention(step.query, step.keys, step.values, selection.indices, selection.valid, scaling)
