@@ -19,6 +19,9 @@ METHODS: dict[str, str] = {
     "oracle-topk": "sparsekv.selectors.oracle:OracleTopK",
     "oracle-topp": "sparsekv.selectors.oracle:OracleTopP",
     "streaming": "sparsekv.selectors.streaming:StreamingSelector",
+    "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
+    "twilight": "sparsekv.selectors.twilight:TwilightSelector",
+    "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",
 }
 
 #: the pruner used when a config sets top_p on a method that does not consume top_p itself

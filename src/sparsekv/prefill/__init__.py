@@ -1,0 +1,1 @@
+"""Prefill methods: they rewrite or evict the prompt before decoding (GemFilter, ...)."""

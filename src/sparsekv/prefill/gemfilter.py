@@ -1,0 +1,583 @@
+"""GemFilter (Ming et al., 2024): an early layer picks the prompt tokens that matter, then the whole model runs on
+those tokens only.
+
+1. The filter pass runs decoder layers 0..r-1 on the full prompt and stops inside layer r where its attention
+   would start: a forward pre-hook on layer r's attention module takes the attention input (normed hidden states
+   and rotary cos/sin) and raises a private exception. The layers after r never see the long prompt.
+2. Layer r's post-RoPE last query and all its keys are computed with the model's own modules (q_proj / k_proj,
+   optional per-head q_norm / k_norm, the model module's `apply_rotary_pos_emb`). Token score = sum over query
+   heads of q_h . k_j (each kv head serving its group, i.e. after repeat_kv), no softmax, then a stride-1 average
+   pool (kernel `pool`, zero padded).
+3. The top-k tokens are kept (the last prompt token always), in their original order, left-padded for a batch.
+   `sparsekv.generate` then runs the full model on them (new positions 0..k-1) and decodes densely.
+
+Padding never counts as a token: it scores -inf and is never kept. When every row keeps its whole prompt the input
+is returned unchanged without a filter pass, so the output is exactly dense generation.
+
+The kept tokens of the latest `filter_prompt` call are attached to the model (`last_selection(model)`), which the
+`sparsekv gemfilter-generate --show-selected` command prints. `sparsekv gemfilter-scan` probes every layer with
+needle prompts (the paper's Fig. 5: distance between the needle and the selected tokens) and recommends r.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.selectors.base import TokenSelector
+
+__all__ = [
+    "FilterResult",
+    "GemFilter",
+    "ProbeResult",
+    "decoder_layers",
+    "default_filter_layer",
+    "gem_filter",
+    "kept_counts",
+    "last_query_scores",
+    "last_selection",
+    "layer_scores",
+    "recommend_layer",
+    "render_selection",
+    "scan_layers",
+    "select_tokens",
+]
+
+#: fraction of the depth used as filter layer when none is given (13 of 32 layers for Llama-3.1-8B in the paper)
+DEFAULT_DEPTH_FRACTION = 0.4
+_LAST_ATTR = "_sparsekv_gemfilter_last"
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook to end the filter pass at the filter layer."""
+
+
+# ----------------------------------------------------------------------------------------------- model access
+
+
+def num_layers_of(model) -> int:
+    return model.config.get_text_config(decoder=True).num_hidden_layers
+
+
+def default_filter_layer(num_layers: int) -> int:
+    """About 40% of the depth, as a 0-based layer index (12 of 30, 13 of 32)."""
+    return max(0, min(num_layers - 1, int(DEFAULT_DEPTH_FRACTION * num_layers + 0.5)))
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The model's decoder layers (the first ModuleList of modules with a `self_attn`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
+            hasattr(layer, "self_attn") for layer in module
+        ):
+            return module
+    raise ConfigError(f"gemfilter cannot find the decoder layers of {type(model).__name__}")
+
+
+def _rotary(attn: torch.nn.Module) -> Callable:
+    module = sys.modules.get(type(attn).__module__)
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    if rope is None:
+        raise ConfigError(
+            f"gemfilter needs `apply_rotary_pos_emb` in {type(attn).__module__} to rebuild post-RoPE q/k; "
+            f"{type(attn).__name__} is not supported"
+        )
+    return rope
+
+
+def last_query_scores(
+    attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """[B, N] float32: sum over query heads of (post-RoPE last query) . (post-RoPE key j) of one attention layer.
+
+    hidden_states [B, N, D] is the attention module's input (after the layer's input norm); position_embeddings
+    the (cos, sin) the model hands to it. Only the last query is projected.
+    """
+    batch, length, _ = hidden_states.shape
+    head_dim = attn.head_dim
+    keys = attn.k_proj(hidden_states).view(batch, length, -1, head_dim)
+    query = attn.q_proj(hidden_states[:, -1:]).view(batch, 1, -1, head_dim)
+    if getattr(attn, "q_norm", None) is not None:  # per-head norms (Qwen3-style models)
+        query = attn.q_norm(query)
+    if getattr(attn, "k_norm", None) is not None:
+        keys = attn.k_norm(keys)
+    query, keys = query.transpose(1, 2), keys.transpose(1, 2)  # [B, H, 1, d], [B, Hkv, N, d]
+    cos, sin = position_embeddings
+    rope = _rotary(attn)
+    query, _ = rope(query, query, cos[:, -1:], sin[:, -1:])
+    _, keys = rope(keys, keys, cos, sin)
+    heads, kv_heads = query.shape[1], keys.shape[1]
+    # repeat_kv maps query head h to kv head h // group; summing q_h . k over the heads of a group equals
+    # (sum of the group's queries) . k, which avoids materialising the repeated keys
+    grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, head_dim).sum(2)
+    return torch.einsum("bhd,bhnd->bn", grouped, keys.float())
+
+
+def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def layer_scores(
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: Iterable[int]
+) -> dict[int, torch.Tensor]:
+    """Raw last-query scores [B, N] of each layer in `layers`, from one forward pass that stops at the last one.
+
+    Layers after max(layers) are not run; layer max(layers) itself only runs its input norm and the q/k projections.
+    """
+    layers = sorted(set(layers))
+    modules = decoder_layers(model)
+    if not layers or layers[0] < 0 or layers[-1] >= len(modules):
+        raise ConfigError(f"filter layer(s) {layers} out of range: the model has {len(modules)} layers")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    stop_at = layers[-1]
+    scores: dict[int, torch.Tensor] = {}
+
+    def capture(layer_idx: int):
+        def hook(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            position_embeddings = kwargs.get("position_embeddings")
+            if position_embeddings is None:
+                raise ConfigError(
+                    f"{type(module).__name__} receives no position_embeddings; gemfilter supports models whose "
+                    "decoder hands (cos, sin) to the attention module (Llama, Mistral, Qwen2/3, ...)"
+                )
+            scores[layer_idx] = last_query_scores(module, hidden, position_embeddings)
+            if layer_idx == stop_at:
+                raise _StopForward
+
+        return hook
+
+    handles = [
+        modules[i].self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i in layers
+    ]
+    try:
+        model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=_position_ids(attention_mask),
+            use_cache=False,
+        )
+    except _StopForward:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i in layers if i not in scores]
+    if missing:
+        raise RuntimeError(f"the filter pass never reached layer(s) {missing}")
+    return scores
+
+
+# --------------------------------------------------------------------------------------------- selection
+
+
+def pool_scores(scores: torch.Tensor, valid: torch.Tensor, pool: int) -> torch.Tensor:
+    """Stride-1 average pool over positions (zeros outside the prompt and on padding); -inf on padding."""
+    scores = scores.masked_fill(~valid, 0.0)
+    if pool > 1:
+        scores = F.avg_pool1d(scores[:, None], pool, stride=1, padding=pool // 2)[:, 0]
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def kept_counts(keep: int | float, lengths: Sequence[int]) -> list[int]:
+    """Tokens kept per row: `keep` tokens (int) or ceil(keep * length) (float), within [1, length]."""
+    counts = []
+    for length in lengths:
+        wanted = math.ceil(keep * length) if isinstance(keep, float) else keep
+        counts.append(max(1, min(int(length), int(wanted))))
+    return counts
+
+
+def select_tokens(pooled: torch.Tensor, valid: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    """Per row: the `count` best positions (the last valid one always), sorted in original order."""
+    kept = []
+    for row, count in enumerate(counts):
+        scores = pooled[row].clone()
+        last = int(valid[row].nonzero().max())
+        scores[last] = float("inf")
+        indices = scores.topk(count).indices
+        kept.append(indices.sort().values)
+    return kept
+
+
+@dataclass
+class FilterResult:
+    """What the filter kept.
+
+    input_ids / attention_mask: the kept tokens, left-padded to the longest row (the input itself when nothing
+        was filtered). kept: per row, the kept positions in the original (padded) input, sorted.
+    scores: [B, N] pooled scores of the original positions (-inf on padding); None without a filter pass.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    kept: list[torch.Tensor]
+    original_ids: torch.Tensor
+    original_mask: torch.Tensor
+    filter_layer: int
+    scores: torch.Tensor | None = None
+    filtered: bool = False
+    seconds: float = 0.0
+    prompt_lengths: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "filter_layer": self.filter_layer,
+            "filtered": self.filtered,
+            "filter_seconds": self.seconds,
+            "prompt_tokens": self.prompt_lengths,
+            "kept_tokens": [len(k) for k in self.kept],
+            "kept_positions": [self._unpadded(row).tolist() for row in range(len(self.kept))],
+        }
+
+    def _unpadded(self, row: int) -> torch.Tensor:
+        """Kept positions of a row counted from its first real token."""
+        return self.kept[row] - int(self.original_mask[row].long().argmax())
+
+
+@torch.no_grad()
+def gem_filter(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    keep: int | float = 1024,
+    filter_layer: int | None = None,
+    pool: int = 5,
+) -> FilterResult:
+    """Runs the filter pass and returns the kept tokens (see the module docstring)."""
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    valid = attention_mask.bool()
+    lengths = valid.sum(-1).tolist()
+    if min(lengths) < 1:
+        raise ConfigError("gemfilter got an empty prompt (a row with no unmasked token)")
+    num_layers = num_layers_of(model)
+    layer = default_filter_layer(num_layers) if filter_layer is None else filter_layer
+    if not 0 <= layer < num_layers:
+        raise ConfigError(f"filter_layer {layer} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
+    counts = kept_counts(keep, lengths)
+    every = [row.nonzero()[:, 0] for row in valid]
+    if counts == lengths:  # nothing to drop: no filter pass, the prompt as it is
+        return FilterResult(input_ids, attention_mask, every, input_ids, attention_mask, layer,
+                            prompt_lengths=lengths)
+    start = time.perf_counter()
+    raw = layer_scores(model, input_ids, attention_mask, [layer])[layer]
+    pooled = pool_scores(raw, valid, pool)
+    kept = select_tokens(pooled, valid, counts)
+    width = max(counts)
+    padded = input_ids[~valid]
+    pad_id = int(padded[0]) if padded.numel() else 0
+    new_ids = input_ids.new_full((len(kept), width), pad_id)
+    new_mask = attention_mask.new_zeros((len(kept), width))
+    for row, indices in enumerate(kept):
+        new_ids[row, width - len(indices) :] = input_ids[row, indices]
+        new_mask[row, width - len(indices) :] = 1
+    return FilterResult(new_ids, new_mask, kept, input_ids, attention_mask, layer, scores=pooled, filtered=True,
+                        seconds=time.perf_counter() - start, prompt_lengths=lengths)
+
+
+def last_selection(model) -> FilterResult | None:
+    """The FilterResult of the latest gemfilter `filter_prompt` on this model (None if there was none)."""
+    return getattr(model, _LAST_ATTR, None)
+
+
+def render_selection(tokenizer, result: FilterResult, row: int = 0, gap: str = " [...] ") -> str:
+    """The kept prompt text of one row: contiguous kept runs decoded, `gap` where tokens were dropped."""
+    ids = result.original_ids[row]
+    valid = result.original_mask[row].bool()
+    kept = result.kept[row].tolist()
+    first = int(valid.nonzero().min())
+    pieces, run = [], []
+    previous = first - 1
+    for index in kept:
+        if run and index != previous + 1:
+            pieces.append(tokenizer.decode(ids[run]))
+            run = []
+        if not run and index != previous + 1:
+            pieces.append(gap)
+        run.append(index)
+        previous = index
+    if run:
+        pieces.append(tokenizer.decode(ids[run]))
+    if previous < valid.shape[0] - 1:
+        pieces.append(gap)
+    return "".join(pieces).strip()
+
+
+# ------------------------------------------------------------------------------------------------ the method
+
+
+def _check_keep(keep) -> None:
+    if isinstance(keep, bool) or not isinstance(keep, (int, float)):
+        raise ConfigError(f"gemfilter keep must be an int (tokens) or a fraction in (0, 1], got {keep!r}")
+    if isinstance(keep, float) and not (math.isfinite(keep) and 0 < keep <= 1):
+        raise ConfigError(f"gemfilter keep as a fraction must be in (0, 1], got {keep}; pass an int for tokens")
+    if isinstance(keep, int) and keep < 1:
+        raise ConfigError(f"gemfilter keep must be >= 1 token, got {keep}")
+
+
+def _check_options(keep, filter_layer, pool) -> None:
+    _check_keep(keep)
+    if filter_layer is not None and (
+        isinstance(filter_layer, bool) or not isinstance(filter_layer, int) or filter_layer < 0
+    ):
+        raise ConfigError(f"gemfilter filter_layer must be a layer index >= 0 or None, got {filter_layer!r}")
+    if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1 or pool % 2 == 0:
+        raise ConfigError(f"gemfilter pool must be an odd int >= 1 (an even kernel shifts positions), got {pool!r}")
+
+
+@dataclass
+class GemFilter(TokenSelector):
+    """Prompt filtering by an early layer, then dense decoding over the kept tokens.
+
+    keep: tokens kept per prompt (int) or a fraction of each prompt (float in (0, 1]); the last token always.
+    filter_layer: 0-based layer whose last-query attention logits score the tokens; None = round(0.4 * depth).
+    pool: odd kernel of the average pool over the scores.
+    """
+
+    name = "gemfilter"
+    dense = True
+
+    keep: int | float = 1024
+    filter_layer: int | None = None
+    pool: int = 5
+
+    @classmethod
+    def options_of(cls, config: SparseConfig) -> dict:
+        shared = {f.name for f in dataclasses.fields(TokenSelector)}
+        fields = [f for f in dataclasses.fields(cls) if f.init and f.name not in shared]
+        return {f.name: config.options.get(f.name, f.default) for f in fields}
+
+    @classmethod
+    def check_config(cls, config: SparseConfig) -> None:
+        _check_options(**cls.options_of(config))
+
+    @classmethod
+    def filter_prompt(cls, model, input_ids, attention_mask, config):
+        result = gem_filter(model, input_ids, attention_mask, **cls.options_of(config))
+        setattr(model, _LAST_ATTR, result)
+        return result.input_ids, result.attention_mask
+
+
+# ------------------------------------------------------------------------------------------- filter-layer scan
+
+
+@dataclass
+class ProbeResult:
+    """One needle prompt: per layer, how far the selection is from the needle and how much of it it holds."""
+
+    context: int
+    depth: float
+    prompt_tokens: int
+    needle: tuple[int, int]  # token span [start, end) of the needle in the prompt
+    distance: list[int]  # per layer: min |selected - needle| (0 = a needle token is selected)
+    coverage: list[float]  # per layer: fraction of the needle's tokens selected
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def needle_span(tokenizer, prompt: str, needle: str) -> tuple[list[int], tuple[int, int]]:
+    """(prompt token ids, [start, end) token span of the needle's characters)."""
+    start_char = prompt.find(needle)
+    if start_char < 0:
+        raise ValueError("the needle is not in the prompt")
+    end_char = start_char + len(needle)
+    if getattr(tokenizer, "is_fast", False):
+        encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        inside = [i for i, (a, b) in enumerate(offsets) if a < end_char and b > start_char]
+        return ids, (inside[0], inside[-1] + 1)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    start = len(tokenizer.encode(prompt[:start_char], add_special_tokens=False))
+    end = len(tokenizer.encode(prompt[:end_char], add_special_tokens=False))
+    return ids, (start, max(end, start + 1))
+
+
+def selection_distance(kept: torch.Tensor, span: tuple[int, int]) -> tuple[int, float]:
+    start, end = span
+    inside = ((kept >= start) & (kept < end)).sum().item()
+    if inside:
+        return 0, inside / (end - start)
+    gaps = torch.minimum((kept - start).abs(), (kept - (end - 1)).abs())
+    return int(gaps.min()), 0.0
+
+
+@torch.no_grad()
+def scan_layers(
+    model,
+    tokenizer,
+    contexts: Sequence[int] = (1000, 2000, 3000),
+    depths: Sequence[float] = (0.25, 0.5, 0.75),
+    keep: int | float = 256,
+    pool: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> list[ProbeResult]:
+    """Needle probes over every layer (one forward pass per prompt, the last layer's attention skipped)."""
+    from sparsekv.eval.haystack import NEEDLE, needle_prompt
+    from sparsekv.models import chat_prompt
+
+    device = next(model.parameters()).device
+    num_layers = num_layers_of(model)
+    results = []
+    for context in contexts:
+        for depth in depths:
+            if progress:
+                progress(f"context {context}, depth {depth}")
+            prompt = chat_prompt(tokenizer, needle_prompt(tokenizer, context_tokens=context, depth=depth))
+            ids, span = needle_span(tokenizer, prompt, NEEDLE)
+            input_ids = torch.tensor([ids], device=device)
+            mask = torch.ones_like(input_ids)
+            scores = layer_scores(model, input_ids, mask, range(num_layers))
+            counts = kept_counts(keep, [len(ids)])
+            distance, coverage = [], []
+            for layer in range(num_layers):
+                pooled = pool_scores(scores[layer], mask.bool(), pool)
+                kept = select_tokens(pooled, mask.bool(), counts)[0].cpu()
+                d, c = selection_distance(kept, span)
+                distance.append(d)
+                coverage.append(c)
+            results.append(ProbeResult(context, depth, len(ids), span, distance, coverage))
+    return results
+
+
+def recommend_layer(probes: Sequence[ProbeResult], min_coverage: float = 0.5) -> int:
+    """The first layer whose selection holds at least `min_coverage` of the needle in every probe (the paper takes
+    the first layer that finds the needle); else the layer with the best mean coverage."""
+    num_layers = len(probes[0].coverage)
+    for layer in range(num_layers):
+        if all(p.distance[layer] == 0 and p.coverage[layer] >= min_coverage for p in probes):
+            return layer
+    mean = [sum(p.coverage[layer] for p in probes) / len(probes) for layer in range(num_layers)]
+    return max(range(num_layers), key=lambda layer: (mean[layer], -layer))
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def _parse_keep(text: str) -> int | float:
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"--keep expects tokens (int) or a fraction (float), got {text!r}") from None
+
+
+def _parse_list(text: str, kind: type, name: str) -> list:
+    try:
+        return [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ConfigError(f"--{name} expects comma-separated {kind.__name__}s, got {text!r}") from None
+
+
+def register(app) -> None:
+    """Adds `sparsekv gemfilter-scan` and `sparsekv gemfilter-generate`."""
+    from pathlib import Path
+    from typing import Annotated, Optional
+
+    import typer
+    from rich.table import Table
+
+    from sparsekv.cli import DeviceOpt, DtypeOpt, ModelOpt, OutputOpt, console, format_stats, load, write_json
+
+    @app.command("gemfilter-scan")
+    def gemfilter_scan(
+        model: ModelOpt = "default",
+        contexts: Annotated[str, typer.Option(help="comma-separated haystack lengths (tokens)")] = "1000,2000,3000",
+        depths: Annotated[str, typer.Option(help="comma-separated needle depths in [0, 1]")] = "0.25,0.5,0.75",
+        keep: Annotated[str, typer.Option(help="tokens kept (int) or fraction")] = "256",
+        pool: int = 5,
+        device: DeviceOpt = "cpu",
+        dtype: DtypeOpt = "float32",
+        output: OutputOpt = None,
+    ) -> None:
+        """Needle probe over layers: distance between the needle and the selected tokens per layer (GemFilter
+        Fig. 5); recommends the filter layer."""
+        keep_value = _parse_keep(keep)
+        _check_options(keep_value, None, pool)
+        context_list = _parse_list(contexts, int, "contexts")
+        depth_list = _parse_list(depths, float, "depths")
+        loaded, tokenizer = load(model, device, dtype)
+        with console.status("probing...") as status:
+            probes = scan_layers(loaded, tokenizer, context_list, depth_list, keep_value, pool,
+                                 progress=lambda text: status.update(f"probing {text}"))
+        best = recommend_layer(probes)
+        num_layers = len(probes[0].distance)
+        table = Table("layer", *(f"{p.context}@{p.depth:g}" for p in probes), "mean coverage")
+        for layer in range(num_layers):
+            cells = [f"{p.distance[layer]}" + ("" if p.distance[layer] else f" ({p.coverage[layer]:.0%})")
+                     for p in probes]
+            mean = sum(p.coverage[layer] for p in probes) / len(probes)
+            table.add_row(f"{layer}{' *' if layer == best else ''}", *cells, f"{mean:.0%}")
+        console.print(table)
+        console.print(f"distance = min |selected - needle| in tokens (0 = needle kept; % = needle tokens kept), "
+                      f"keep={keep_value}. Recommended filter_layer: {best} "
+                      f"(default {default_filter_layer(num_layers)} of {num_layers}).")
+        write_json(output, {"model": model, "keep": keep_value, "pool": pool, "recommended_layer": best,
+                            "default_layer": default_filter_layer(num_layers),
+                            "probes": [p.to_dict() for p in probes]})
+
+    @app.command("gemfilter-generate")
+    def gemfilter_generate(
+        prompt: Annotated[Optional[str], typer.Option(help="the prompt (chat template applied)")] = None,
+        prompt_file: Annotated[Optional[Path], typer.Option(help="read the prompt from this file")] = None,
+        needle_context: Annotated[Optional[int], typer.Option(help="use a needle prompt of this many tokens")] = None,
+        depth: Annotated[float, typer.Option(help="needle depth for --needle-context")] = 0.5,
+        model: ModelOpt = "default",
+        keep: Annotated[str, typer.Option(help="tokens kept (int) or fraction")] = "1024",
+        filter_layer: Annotated[Optional[int], typer.Option(help="0-based filter layer (default 40% depth)")] = None,
+        pool: int = 5,
+        max_new_tokens: int = 32,
+        raw: Annotated[bool, typer.Option(help="do not apply the chat template")] = False,
+        show_selected: Annotated[bool, typer.Option(help="print the kept prompt text")] = False,
+        selected_output: Annotated[Optional[Path], typer.Option(help="save the kept prompt text here")] = None,
+        device: DeviceOpt = "cpu",
+        dtype: DtypeOpt = "float32",
+        output: OutputOpt = None,
+    ) -> None:
+        """Generate with GemFilter; --show-selected prints the prompt text the filter kept."""
+        import sparsekv
+        from sparsekv.cli import UserError
+        from sparsekv.models import chat_prompt
+
+        if sum(x is not None for x in (prompt, prompt_file, needle_context)) != 1:
+            raise UserError("give exactly one of --prompt, --prompt-file, --needle-context")
+        options = {"keep": _parse_keep(keep), "filter_layer": filter_layer, "pool": pool}
+        config = SparseConfig(method="gemfilter", options=options)
+        loaded, tokenizer = load(model, device, dtype)
+        if needle_context is not None:
+            from sparsekv.eval.haystack import needle_prompt
+
+            text = needle_prompt(tokenizer, context_tokens=needle_context, depth=depth)
+        else:
+            text = prompt if prompt is not None else prompt_file.read_text()
+        text = text if raw else chat_prompt(tokenizer, text)
+        result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens)
+        selection = last_selection(loaded)
+        kept_text = render_selection(tokenizer, selection) if selection is not None else text
+        if show_selected:
+            console.rule("kept prompt")
+            console.print(kept_text, markup=False, highlight=False)
+            console.rule()
+        if selected_output is not None:
+            selected_output.parent.mkdir(parents=True, exist_ok=True)
+            selected_output.write_text(kept_text + "\n")
+        console.print(result.texts[0], markup=False, highlight=False)
+        summary = (f"kept {len(selection.kept[0])} of {selection.prompt_lengths[0]} prompt tokens at layer "
+                   f"{selection.filter_layer} (filter pass {selection.seconds:.2f}s)") if selection else ""
+        console.print(f"{summary}; {format_stats(result)}", style="dim")
+        write_json(output, {"model": model, "options": options, "kept_text": kept_text,
+                            **(selection.to_dict() if selection else {}), **result.to_dict()})
