@@ -20,6 +20,7 @@ METHODS: dict[str, str] = {
     "oracle-topp": "sparsekv.selectors.oracle:OracleTopP",
     "streaming": "sparsekv.selectors.streaming:StreamingSelector",
     "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
+    "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
     "twilight": "sparsekv.selectors.twilight:TwilightSelector",
     "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",
 }

@@ -1,0 +1,400 @@
+"""Spotlight Attention: a learned (MLP) hash of post-RoPE queries and keys, Hamming top-k.
+
+Per sparse layer and kv head, a hash maps a vector x (query or key, d dims) to `bits` signs:
+
+    mlp:     code(x) = sign(W2 · SiLU(W1 · x̂ + b1))          d -> hidden -> bits
+    linear:  code(x) = sign(W · x̂)                            d -> bits (trainable angular LSH)
+
+with x̂ = (x - mean) / scale a fixed per-head normalisation measured on calibration text (keys are centred,
+which never changes a query's ranking of keys; queries are only scaled). Query heads use the hash of their kv
+head. Keys are hashed once (prefill, then on append) and kept as packed int32 codes; a query's score for a key
+is the number of matching bits (XNOR + popcount), summed over the query heads of a kv head for gqa="group",
+per query head for gqa="head". Ties go to the more recent key.
+
+Which hash a layer uses (option `checkpoint`):
+
+- ``"auto"`` (default): the checkpoint shipped in ``sparsekv/data`` when the model has its shape (the embedded
+  default model, SmolLM2-135M: 30 layers, 9/3 heads, head_dim 64); for any other shape an *untrained* MLP hash
+  initialised from `seed` (N(0, 1e-3) weights, as the authors do). That keeps spotlight usable on every model
+  without a warning, but an untrained hash selects little better than chance: train one with
+  ``sparsekv train-hash --model <model> --output hash.safetensors`` and pass ``checkpoint=hash.safetensors``.
+- ``"none"``: always the untrained hash (a baseline).
+- a path to a ``.safetensors`` file written by ``sparsekv train-hash``: it must match the model (layer count,
+  heads, head_dim at construction; the full fingerprint, a hash of the weights included, in
+  ``check_model(model, config)``), otherwise one ConfigError says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.kernels.bits import pack_sign_bits
+from sparsekv.kernels.hamming import hamming_scores
+from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection, TokenSelector
+
+HASH_KINDS = ("mlp", "linear")
+DEFAULT_BITS = 128
+FORMAT = "sparsekv-spotlight"
+FORMAT_VERSION = 1
+METADATA_KEY = "sparsekv"
+#: the checkpoint shipped for the embedded default model
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "spotlight-smollm2-135m.safetensors"
+INIT_STD = 1e-3
+
+
+def softsign(x: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Differentiable stand-in for sign during training: γx / (1 + γ|x|)."""
+    return gamma * x / (1 + gamma * x.abs())
+
+
+class LayerHash(nn.Module):
+    """The hash functions of one layer: one per kv head, evaluated for all heads at once.
+
+    forward(x [..., H, T, d], role) -> [..., H, T, bits] real outputs whose signs are the code bits; `role`
+    ("q" or "k") picks the normalisation. Query heads are mapped to their kv head by the caller.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, bits: int = DEFAULT_BITS, kind: str = "mlp",
+                 hidden: int | None = None, generator: torch.Generator | None = None):
+        super().__init__()
+        if kind not in HASH_KINDS:
+            raise ConfigError(f"hash must be one of {', '.join(HASH_KINDS)}, got {kind!r}")
+        if not isinstance(bits, int) or bits < 1:
+            raise ConfigError(f"bits must be a positive int, got {bits!r}")
+        self.kind, self.bits, self.num_heads, self.head_dim = kind, bits, num_heads, head_dim
+        self.hidden = hidden or bits
+        h, d = num_heads, head_dim
+        if kind == "mlp":
+            self.w1 = nn.Parameter(torch.randn(h, d, self.hidden, generator=generator) * INIT_STD)
+            self.b1 = nn.Parameter(torch.zeros(h, self.hidden))
+            self.w2 = nn.Parameter(torch.randn(h, self.hidden, bits, generator=generator) * INIT_STD)
+        else:
+            self.w = nn.Parameter(random_rotations(h, d, bits, generator))
+        # calibration normalisation (identity until set_normalisation)
+        self.register_buffer("key_mean", torch.zeros(h, d))
+        self.register_buffer("key_scale", torch.ones(h))
+        self.register_buffer("query_scale", torch.ones(h))
+
+    def set_normalisation(self, key_mean: torch.Tensor, key_scale: torch.Tensor, query_scale: torch.Tensor) -> None:
+        self.key_mean.copy_(key_mean)
+        self.key_scale.copy_(key_scale)
+        self.query_scale.copy_(query_scale)
+
+    def normalise(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        if role == "k":
+            return (x - self.key_mean[:, None, :]) / self.key_scale[:, None, None]
+        if role == "q":
+            return x / self.query_scale[:, None, None]
+        raise ValueError(f"role must be 'q' or 'k', got {role!r}")
+
+    def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        x = self.normalise(x.to(self.key_mean.dtype), role)
+        if self.kind == "linear":
+            return torch.einsum("...htd,hdb->...htb", x, self.w)
+        hidden = torch.einsum("...htd,hde->...hte", x, self.w1) + self.b1[:, None, :]
+        return torch.einsum("...hte,heb->...htb", nn.functional.silu(hidden), self.w2)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.state_dict().items()}
+
+
+def random_rotations(heads: int, dim: int, bits: int, generator: torch.Generator | None) -> torch.Tensor:
+    """[heads, dim, bits]: columns of random rotations (QR of a Gaussian, det fixed to +1), enough blocks of
+    `dim` columns to give `bits` hyperplanes: angular LSH as in Spotlight's appendix A.5."""
+    out = torch.empty(heads, dim, bits)
+    for h in range(heads):
+        blocks = []
+        for _ in range(math.ceil(bits / dim)):
+            q, r = torch.linalg.qr(torch.randn(dim, dim, generator=generator, dtype=torch.float64))
+            q = q * torch.sign(torch.diagonal(r))  # unique QR (Haar-distributed q)
+            if torch.linalg.det(q) < 0:
+                q[:, 0] = -q[:, 0]
+            blocks.append(q)
+        out[h] = torch.cat(blocks, dim=1)[:, :bits].float()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints (safetensors + a JSON header in the metadata)
+
+
+@dataclass
+class HashCheckpoint:
+    """A trained set of layer hashes and the metadata of the file."""
+
+    header: dict
+    layers: dict[int, LayerHash]
+    path: str | None = None
+
+    @property
+    def fingerprint(self) -> dict:
+        return self.header["fingerprint"]
+
+    def describe(self) -> str:
+        return self.path or "spotlight checkpoint"
+
+
+def save_checkpoint(path: str | Path, layers: dict[int, LayerHash], fingerprint: dict, training: dict,
+                    metrics: dict | None = None, dtype: torch.dtype = torch.float16) -> Path:
+    """Writes a spotlight checkpoint (weights stored in `dtype`, normalisation in float32)."""
+    from safetensors.torch import save_file
+
+    if not layers:
+        raise ValueError("no layers to save")
+    first = next(iter(layers.values()))
+    tensors = {}
+    for idx, layer_hash in sorted(layers.items()):
+        for name, tensor in layer_hash.state_tensors().items():
+            keep = torch.float32 if name.startswith(("key", "query")) else dtype
+            tensors[f"layers.{idx}.{name}"] = tensor.to("cpu", keep).contiguous()
+    header = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "hash": first.kind,
+        "bits": first.bits,
+        "hidden": first.hidden if first.kind == "mlp" else None,
+        "layers": sorted(layers),
+        "fingerprint": fingerprint,
+        "training": training,
+        "metrics": metrics or {},
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={METADATA_KEY: json.dumps(header, sort_keys=True)})
+    os.replace(tmp, path)
+    return path
+
+
+def read_header(path: str | Path) -> dict:
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"spotlight checkpoint {str(path)!r} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+    except Exception as error:  # noqa: BLE001 - any parse failure is the same user problem
+        raise ConfigError(f"{str(path)!r} is not a readable safetensors file ({error})") from None
+    try:
+        header = json.loads(meta[METADATA_KEY])
+    except (KeyError, json.JSONDecodeError):
+        raise ConfigError(f"{str(path)!r} is not a spotlight checkpoint (no '{METADATA_KEY}' header)") from None
+    if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
+        raise ConfigError(
+            f"{str(path)!r} has format {header.get('format')!r} v{header.get('version')}, "
+            f"expected {FORMAT!r} v{FORMAT_VERSION}"
+        )
+    return header
+
+
+_LOADED: dict[tuple, HashCheckpoint] = {}
+
+
+def load_checkpoint(path: str | Path) -> HashCheckpoint:
+    """Reads a checkpoint (cached per file path, size and mtime); weights come back as float32."""
+    from safetensors.torch import load_file
+
+    path = Path(path).resolve()
+    header = read_header(path)
+    stat = path.stat()
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key in _LOADED:
+        return _LOADED[key]
+    tensors = load_file(str(path))
+    fp = header["fingerprint"]
+    layers = {}
+    for idx in header["layers"]:
+        layer_hash = LayerHash(fp["num_kv_heads"], fp["head_dim"], header["bits"], header["hash"], header["hidden"])
+        prefix = f"layers.{idx}."
+        state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+        layer_hash.load_state_dict(state)
+        layer_hash.requires_grad_(False)
+        layers[int(idx)] = layer_hash
+    _LOADED[key] = HashCheckpoint(header, layers, str(path))
+    return _LOADED[key]
+
+
+SHAPE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def shape_mismatch(fingerprint: dict, layer: LayerInfo) -> str | None:
+    actual = {"num_layers": layer.num_layers, "num_heads": layer.num_heads,
+              "num_kv_heads": layer.num_kv_heads, "head_dim": layer.head_dim}
+    diff = [f"{k}: file {fingerprint.get(k)!r} vs model {v!r}" for k, v in actual.items() if fingerprint.get(k) != v]
+    return ", ".join(diff) or None
+
+
+def untrained_hash(layer: LayerInfo, bits: int, kind: str, seed: int) -> LayerHash:
+    """The deterministic untrained hash of a layer (seeded per layer)."""
+    generator = torch.Generator().manual_seed(seed * 100_003 + layer.layer_idx)
+    return LayerHash(layer.num_kv_heads, layer.head_dim, bits, kind, generator=generator).requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the selector
+
+
+@dataclass
+class SpotlightSelector(TokenSelector):
+    """Spotlight Attention (learned MLP hash + Hamming top-k). Options:
+
+    checkpoint: "auto" (shipped checkpoint for the default model's shape, else an untrained seeded hash),
+        "none" (untrained hash) or a path written by `sparsekv train-hash`.
+    bits / hash: code length and hash kind of the untrained hash; with a checkpoint they are read from it
+        (a different explicit value is a ConfigError).
+    seed: seed of the untrained hash.
+    """
+
+    name = "spotlight"
+    checkpoint: str = "auto"
+    bits: int | None = None
+    hash: str | None = None
+    seed: int = 0
+
+    @classmethod
+    def check_config(cls, config: SparseConfig) -> None:
+        opts = config.options
+        bits = opts.get("bits")
+        if bits is not None and (isinstance(bits, bool) or not isinstance(bits, int) or bits < 1):
+            raise ConfigError(f"spotlight option bits must be a positive int, got {bits!r}")
+        kind = opts.get("hash")
+        if kind is not None and kind not in HASH_KINDS:
+            raise ConfigError(f"spotlight option hash must be one of {', '.join(HASH_KINDS)}, got {kind!r}")
+        seed = opts.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"spotlight option seed must be an int, got {seed!r}")
+        ckpt = opts.get("checkpoint", "auto")
+        if not isinstance(ckpt, str) or not ckpt:
+            raise ConfigError(f"spotlight option checkpoint must be 'auto', 'none' or a path, got {ckpt!r}")
+        if ckpt not in ("auto", "none"):
+            header = read_header(ckpt)
+            cls._check_header_options(header, bits, kind, ckpt)
+
+    @staticmethod
+    def _check_header_options(header: dict, bits, kind, where: str) -> None:
+        if bits is not None and bits != header["bits"]:
+            raise ConfigError(f"spotlight bits={bits} but checkpoint {where!r} has {header['bits']}-bit codes")
+        if kind is not None and kind != header["hash"]:
+            raise ConfigError(f"spotlight hash={kind!r} but checkpoint {where!r} holds a {header['hash']!r} hash")
+
+    @classmethod
+    def check_model(cls, model, config: SparseConfig) -> None:
+        """Full check of an explicit checkpoint against a model (weights hash included): one ConfigError."""
+        from sparsekv.fingerprint import check_fingerprint
+
+        ckpt = config.options.get("checkpoint", "auto")
+        if ckpt not in ("auto", "none"):
+            check_fingerprint(read_header(ckpt)["fingerprint"], model, f"spotlight checkpoint {ckpt!r}")
+
+    @classmethod
+    def filter_prompt(cls, model, input_ids, attention_mask, config):
+        cls.check_model(model, config)  # generate() hands us the model here: verify the checkpoint once per call
+        return input_ids, attention_mask
+
+    def __post_init__(self) -> None:
+        self.hash_fn = copy.deepcopy(resolve_hash(self.layer, self.checkpoint, self.bits, self.hash, self.seed))
+        self.code_bits = self.hash_fn.bits
+        self._codes: torch.Tensor | None = None
+        self._length = 0
+
+    # state ---------------------------------------------------------------------------------------------------
+    def _hash(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """x [B, H, T, d] (H = kv heads, or query heads for role 'q') -> packed codes [B, H, T, W]."""
+        fn = self.hash_fn
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if fn.key_mean.device != x.device or fn.key_mean.dtype != dtype:
+            fn.to(device=x.device, dtype=dtype)
+        b, h, t, d = x.shape
+        group = h // self.layer.num_kv_heads  # query head i uses the hash of kv head i // group
+        with torch.no_grad():
+            out = fn(x.reshape(b, self.layer.num_kv_heads, group * t, d), role)
+        return pack_sign_bits(out).reshape(b, h, t, -1)
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        self._codes, self._length = None, 0
+        self.append(keys, values)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        codes = self._hash(keys, "k")  # [B, Hkv, T, W]
+        needed = self._length + codes.shape[-2]
+        if self._codes is None or needed > self._codes.shape[-2]:
+            grown = torch.empty(*codes.shape[:-2], max(needed, 2 * self._length), codes.shape[-1],
+                                dtype=codes.dtype, device=codes.device)
+            if self._codes is not None:
+                grown[..., : self._length, :] = self._codes[..., : self._length, :]
+            self._codes = grown
+        self._codes[..., self._length : needed, :] = codes
+        self._length = needed
+
+    @property
+    def key_codes(self) -> torch.Tensor:
+        return self._codes[..., : self._length, :]
+
+    # selection -----------------------------------------------------------------------------------------------
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        """[B, S, Q, N] int32 matching bits (S = kv heads for gqa 'group', query heads for 'head')."""
+        query_codes = self._hash(step.query, "q")  # [B, Hq, Q, W]
+        keys = self.key_codes[..., : step.keys.shape[-2], :]
+        if step.gqa == "head" and self.layer.group_size > 1:
+            keys = keys.repeat_interleave(self.layer.group_size, dim=1)
+        return hamming_scores(query_codes, keys, bits=self.code_bits)
+
+    def select(self, step: DecodeStep) -> Selection:
+        return hamming_topk(self.score(step), step)
+
+
+def hamming_topk(scores: torch.Tensor, step: DecodeStep) -> Selection:
+    """Top-budget keys per row by integer score, ties to the more recent key, forced tokens first.
+
+    Ranks on one int64 key per token (score above, position below), so every key is distinct and the chosen
+    set never depends on how a backend orders ties (chunked == token-by-token, batch invariance).
+    """
+    n = scores.shape[-1]
+    position = torch.arange(n, device=scores.device, dtype=torch.int64)
+    rank_key = (scores.to(torch.int64) << 32) | position
+    top = torch.iinfo(torch.int64).max
+    rank_key = torch.where(step.forced[:, None], top - n + position, rank_key)
+    rank_key = rank_key.masked_fill(~step.visible[:, None], -1)
+    k_max = int(step.budgets.max())
+    values, indices = rank_key.topk(k_max, dim=-1, sorted=True)
+    ranks = torch.arange(k_max, device=scores.device)
+    valid = (ranks < step.budgets[:, None, :, None]) & (values >= 0)
+    return Selection(indices=indices, valid=valid)
+
+
+def resolve_hash(layer: LayerInfo, checkpoint: str, bits: int | None, kind: str | None, seed: int) -> LayerHash:
+    """The LayerHash a selector of `layer` uses for the given options (see the module docstring)."""
+    if checkpoint == "none":
+        return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
+    if checkpoint == "auto":
+        if not DEFAULT_CHECKPOINT.is_file():
+            return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
+        header = read_header(DEFAULT_CHECKPOINT)
+        if shape_mismatch(header["fingerprint"], layer) is not None:
+            return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
+        path = DEFAULT_CHECKPOINT
+    else:
+        path = Path(checkpoint)
+        header = read_header(path)
+        if (diff := shape_mismatch(header["fingerprint"], layer)) is not None:
+            raise ConfigError(f"spotlight checkpoint {checkpoint!r} was made for another model ({diff})")
+    SpotlightSelector._check_header_options(header, bits, kind, str(path))
+    loaded = load_checkpoint(path)
+    if layer.layer_idx not in loaded.layers:
+        trained = header["layers"]
+        raise ConfigError(
+            f"spotlight checkpoint {str(path)!r} has no hash for layer {layer.layer_idx} (it covers layers "
+            f"{trained[0]}..{trained[-1]}): keep that layer dense (dense_layers) or train it with train-hash"
+        )
+    return loaded.layers[layer.layer_idx]
