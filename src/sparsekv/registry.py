@@ -20,7 +20,6 @@ METHODS: dict[str, str] = {
     "oracle-topp": "sparsekv.selectors.oracle:OracleTopP",
     "streaming": "sparsekv.selectors.streaming:StreamingSelector",
     "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
-    "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
     "twilight": "sparsekv.selectors.twilight:TwilightSelector",
     "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",
 }
