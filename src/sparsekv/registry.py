@@ -22,6 +22,8 @@ METHODS: dict[str, str] = {
     "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
     "twilight": "sparsekv.selectors.twilight:TwilightSelector",
     "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",
+    "quest": "sparsekv.selectors.quest:QuestSelector",
+    "lsh": "sparsekv.selectors.lsh:LSHSelector",
 }
 
 #: the pruner used when a config sets top_p on a method that does not consume top_p itself

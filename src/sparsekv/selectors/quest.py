@@ -1,0 +1,107 @@
+"""Quest: page-level selection from per-page, per-channel key min/max (Tang et al., 2024).
+
+A page's score is an upper bound of q·k over its keys: sum_i max(q_i * max_i, q_i * min_i). Whole pages are
+taken best-first until the token budget is spent; the page holding the query is always attended (in a chunk its
+min/max may already include later tokens, so it is never scored). If the budget ends inside a page, the most
+recent tokens of that page fill the remainder, so the budget is met exactly and budget >= context is dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsekv.config import ConfigError
+from sparsekv.selectors.base import DecodeStep, TokenSelector, to_selection_heads
+from sparsekv.selectors.lsh import unique_ranks
+
+
+def page_scores(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor) -> torch.Tensor:
+    """query [B, Hq, Q, d], page_max/min [B, Hkv, P, d] -> [B, Hq, Q, P] sum_i max(q_i max_i, q_i min_i).
+
+    Uses max(a, b) = (a + b)/2 + |a - b|/2 with a - b = q (max - min), q-sign independent of the max >= min
+    order: two matmuls instead of a [Q, P, d] intermediate.
+    """
+    group = query.shape[1] // page_max.shape[1]
+    centre = torch.nan_to_num((page_max + page_min) / 2, nan=0.0, posinf=0.0, neginf=0.0)
+    radius = torch.nan_to_num((page_max - page_min) / 2, nan=0.0, posinf=0.0, neginf=0.0)
+    centre = centre.repeat_interleave(group, dim=1)
+    radius = radius.repeat_interleave(group, dim=1)
+    q = query.to(centre.dtype)
+    return torch.matmul(q, centre.transpose(-1, -2)) + torch.matmul(q.abs(), radius.transpose(-1, -2))
+
+
+@dataclass
+class QuestSelector(TokenSelector):
+    """Option: page_size (16 as in the paper). Pages start at each sequence's first real token, so left padding
+    does not shift them (batch invariance)."""
+
+    name = "quest"
+    page_size: int = 16
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        size = config.options.get("page_size", cls.page_size)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ConfigError(f"quest page_size must be an int >= 1, got {size!r}")
+
+    def __post_init__(self) -> None:
+        self.prompt_length = 0
+        self.start: torch.Tensor | None = None  # [B] first real position of each sequence
+        self.built = 0
+        self.page_max: torch.Tensor | None = None  # [B, Hkv, pages, d], -inf where no token yet
+        self.page_min: torch.Tensor | None = None
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        # pages are built at the first decode step: their alignment and min/max must skip left padding,
+        # which only `step.visible` reveals; later steps extend them incrementally
+        self.prompt_length = keys.shape[-2]
+
+    def _sync(self, step: DecodeStep) -> None:
+        keys = step.keys
+        n = keys.shape[-2]
+        if self.start is None:
+            self.start = step.visible[:, 0, : self.prompt_length].to(torch.int8).argmax(-1)
+        if self.built >= n:
+            return
+        batch, heads, _, dim = keys.shape
+        pos = torch.arange(self.built, n, device=keys.device)
+        rel = pos[None, :] - self.start[:, None]  # [B, new]
+        pad = (rel < 0)[:, None, :, None]
+        page = rel.clamp(min=0) // self.page_size
+        pages = int(page.max()) + 1
+        if self.page_max is None or pages > self.page_max.shape[2]:
+            capacity = max(pages, 2 * (0 if self.page_max is None else self.page_max.shape[2]))
+            dtype = torch.promote_types(keys.dtype, torch.float32)
+            grown_max = keys.new_full((batch, heads, capacity, dim), float("-inf"), dtype=dtype)
+            grown_min = keys.new_full((batch, heads, capacity, dim), float("inf"), dtype=dtype)
+            if self.page_max is not None:
+                old = self.page_max.shape[2]
+                grown_max[:, :, :old] = self.page_max
+                grown_min[:, :, :old] = self.page_min
+            self.page_max, self.page_min = grown_max, grown_min
+        new = keys[..., self.built :, :].to(self.page_max.dtype)
+        index = page[:, None, :, None].expand(batch, heads, -1, dim)
+        self.page_max.scatter_reduce_(2, index, new.masked_fill(pad, float("-inf")), "amax")
+        self.page_min.scatter_reduce_(2, index, new.masked_fill(pad, float("inf")), "amin")
+        self.built = n
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        """[B, S, Q, N] ranking keys (higher = keep): query page first (recent first), then pages best-first."""
+        self._sync(step)
+        n, q_len, size = step.keys.shape[-2], step.query.shape[2], self.page_size
+        rel = torch.arange(n, device=step.keys.device)[None, :] - self.start[:, None]  # [B, N]
+        token_page, offset = rel.clamp(min=0) // size, rel.clamp(min=0) % size
+        pages = int(token_page.max()) + 1
+        scores = page_scores(step.query, self.page_max[:, :, :pages], self.page_min[:, :, :pages])
+        scores = to_selection_heads(scores, step)  # [B, S, Q, P]
+        query_page = token_page[:, n - q_len :]  # [B, Q]
+        earlier = torch.arange(pages, device=scores.device)[None, None, :] < query_page[:, :, None]
+        # pages after the query's own are not yet visible; ranks put them (and invalid pages) last
+        ranks = unique_ranks(scores.masked_fill(~earlier[:, None], float("-inf")))
+        shape = (*scores.shape[:3], n)
+        token_rank = ranks.gather(-1, token_page[:, None, None, :].expand(shape))
+        key = token_rank * size + offset[:, None, None, :]
+        own = token_page[:, None, None, :] == query_page[:, None, :, None]
+        return torch.where(own, float((pages + 1) * size) + offset[:, None, None, :], key)
