@@ -1,0 +1,91 @@
+"""Twilight: a base selector at a conservative budget, then top-p pruning of its candidates (select-then-prune).
+
+`SparseConfig(method="twilight", budget=0.25, top_p=0.95)` is the oracle-free default: Quest picks budget tokens
+(1/4 of the context is the recommended, conservative budget), then the INT4-estimated top-p pruner keeps the
+smallest subset with mass >= top_p per kv-head group (gqa="group") or query head (gqa="head").
+
+The same pruner runs after any other method with `top_p` set (e.g. `method="lsh", top_p=0.9`); `twilight` is that
+pipeline with its own options (`base`, `bits`) and a default p.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from sparsekv.config import ConfigError
+from sparsekv.pruners.top_p import SUPPORTED_BITS, TopPPruner
+from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector
+
+DEFAULT_TOP_P = 0.95
+DEFAULT_BASE = "quest"
+FALLBACK_BASE = "oracle-topk"
+
+
+def resolve_base(name: str) -> str:
+    """The base method actually used (the default falls back to oracle-topk while quest is not in this build)."""
+    from sparsekv.registry import METHODS
+
+    if name == DEFAULT_BASE and name not in METHODS:
+        warnings.warn(
+            f"twilight: base method {DEFAULT_BASE!r} is not available in this build; using {FALLBACK_BASE!r}",
+            stacklevel=3,
+        )
+        return FALLBACK_BASE
+    return name
+
+
+@dataclass
+class TwilightSelector(TokenSelector):
+    """Options: base = the candidate selector (a registered method, default quest), its budget = config.budget;
+    bits = precision of the key copy that estimates the candidates' weights (2, 4 or 8; default 4).
+    top_p defaults to 0.95 when the config leaves it unset."""
+
+    name = "twilight"
+    consumes_top_p = True
+
+    base: str = DEFAULT_BASE
+    bits: int = 4
+    inner: TokenSelector | None = field(default=None, init=False, repr=False)
+    pruner: TopPPruner | None = field(default=None, init=False, repr=False)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        from sparsekv.registry import get_method_class
+
+        options = config.options
+        bits = options.get("bits", 4)
+        if bits not in SUPPORTED_BITS:
+            raise ConfigError(f"twilight: bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+        base = options.get("base", DEFAULT_BASE)
+        if not isinstance(base, str) or base == cls.name:
+            raise ConfigError(f"twilight: base must be another registered method, got {base!r}")
+        base_class = get_method_class(resolve_base(base))  # ConfigError lists the known methods
+        if base_class.dense or base_class.stores_kv or base_class.consumes_top_p:
+            raise ConfigError(
+                f"twilight: base {base!r} cannot provide candidates (dense, compressed-cache or top-p methods "
+                "are not supported); use a token selector such as quest or oracle-topk"
+            )
+
+    def __post_init__(self) -> None:
+        from sparsekv.registry import get_method_class
+
+        self.inner = get_method_class(resolve_base(self.base))(self.config, self.layer)
+        p = self.config.top_p if self.config.top_p is not None else DEFAULT_TOP_P
+        self.pruner = TopPPruner(self.config, self.layer, p=p, bits=self.bits)
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        self.inner.prefill(keys, values, query)
+        self.pruner.prefill(keys, values, query)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.inner.append(keys, values)
+        self.pruner.append(keys, values)
+
+    def candidates(self, step: DecodeStep) -> Selection:
+        return self.inner.select(step)
+
+    def select(self, step: DecodeStep) -> Selection:
+        return self.pruner.prune(step, self.candidates(step))
