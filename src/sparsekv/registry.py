@@ -19,7 +19,6 @@ METHODS: dict[str, str] = {
     "oracle-topk": "sparsekv.selectors.oracle:OracleTopK",
     "oracle-topp": "sparsekv.selectors.oracle:OracleTopP",
     "streaming": "sparsekv.selectors.streaming:StreamingSelector",
-    "twilight": "sparsekv.selectors.twilight:TwilightSelector",
     "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
     "twilight": "sparsekv.selectors.twilight:TwilightSelector",
     "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",
