@@ -61,3 +61,25 @@ def hamming_scores(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: 
 
         return hamming_scores_triton(query_codes, key_codes, bits=bits)
     return hamming_scores_reference(query_codes, key_codes, bits=bits)
+
+
+def hamming_topk_reference(
+    query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int
+) -> torch.Tensor:
+    from sparsekv.kernels.topk import select_topk_reference
+
+    return select_topk_reference(hamming_scores_reference(query_codes, key_codes, bits=bits), k)
+
+
+def hamming_topk(query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int) -> torch.Tensor:
+    """Indices [B, Hkv, Q, min(k, N)] int64 (unordered) of the k keys with the most matching bits per kv head.
+
+    On CUDA scoring and the histogram pass are one kernel (int16 scores), then threshold + compaction: no sort.
+    """
+    from sparsekv.kernels._triton import use_triton
+
+    if use_triton(query_codes, key_codes) and 0 < k < key_codes.shape[2]:
+        from sparsekv.kernels._hamming_triton import hamming_topk_triton
+
+        return hamming_topk_triton(query_codes, key_codes, int(k), bits=bits)
+    return hamming_topk_reference(query_codes, key_codes, k, bits=bits)

@@ -38,5 +38,16 @@ def sparse_attention(
     valid: torch.Tensor,
     scaling: float,
 ) -> torch.Tensor:
-    """Dispatch: Triton on CUDA where a kernel covers the case, else the reference."""
+    """Dispatch: the split-K Triton kernel on CUDA (any Q, GQA through S), else the reference."""
+    from sparsekv.kernels._triton import use_triton
+
+    if (
+        use_triton(query, keys, values, indices)
+        and indices.shape[-1] > 0
+        and keys.dtype == values.dtype == query.dtype
+        and query.shape[-1] <= 256
+    ):
+        from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
+
+        return sparse_attention_triton(query, keys, values, indices, valid, scaling)
     return sparse_attention_reference(query, keys, values, indices, valid, scaling)

@@ -1,0 +1,141 @@
+"""Triton Hamming scorer: one 16-byte load per token's 128-bit code, XNOR-popcount against every query head of
+the kv-head's group, summed in registers so scores leave the kernel per kv-head. Optionally writes int16 scores
+plus per-chunk histograms, the first pass of the sort-free top-k (`hamming_topk`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.kernels._tl_utils import popcount_tl
+from sparsekv.kernels._topk_triton import chunk_histogram, chunking, topk_from_histogram
+from sparsekv.kernels._triton import next_pow2
+
+
+@triton.jit
+def _hamming_kernel(
+    q_ptr,
+    k_ptr,
+    out_ptr,
+    hist_ptr,
+    N,
+    Q,
+    HKV,
+    bits,
+    num_chunks,
+    blocks_per_chunk,
+    sqb,
+    sqh,
+    sqq,
+    skb,
+    skh,
+    skn,
+    sob,
+    soh,
+    soq,
+    G: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HIST: tl.constexpr,
+    NBITS: tl.constexpr,
+    USE_POPC: tl.constexpr,
+):
+    c = tl.program_id(0)
+    r = tl.program_id(1)
+    qi = r % Q
+    kvh = (r // Q) % HKV
+    b = r // (Q * HKV)
+    w = tl.arange(0, WP)
+    wmask = w < W
+    nb = tl.minimum(tl.maximum(bits - 32 * w, 0), 32)
+    word_mask = tl.where(nb >= 32, -1, (1 << tl.minimum(nb, 31)) - 1)
+    k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    q_base = q_ptr + b.to(tl.int64) * sqb + (kvh * G).to(tl.int64) * sqh + qi * sqq
+    o_base = out_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + qi.to(tl.int64) * soq
+    if HIST:
+        h = tl.zeros([1 << NBITS], dtype=tl.int32)
+    for i in range(blocks_per_chunk):
+        offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
+        nmask = offs < N
+        kc = tl.load(
+            k_base + offs[:, None].to(tl.int64) * skn + w[None, :],
+            mask=nmask[:, None] & wmask[None, :],
+            other=0,
+        )
+        diff = tl.zeros([BLOCK, WP], dtype=tl.int32)
+        for hh in tl.static_range(G):
+            qc = tl.load(q_base + hh * sqh + w, mask=wmask, other=0)
+            diff += popcount_tl((kc ^ qc[None, :]) & word_mask[None, :], USE_POPC)
+        score = G * bits - tl.sum(diff, axis=1)
+        tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
+        if HIST:
+            h += chunk_histogram(score.to(tl.uint32, bitcast=True), nmask, 0, 0, NBITS, True)
+    if HIST:
+        tl.store(hist_ptr + (r.to(tl.int64) * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
+
+
+def _launch(query_codes, key_codes, bits, out_dtype, hist_bits=None):
+    b, hq, q, w = query_codes.shape
+    hkv, n = key_codes.shape[1], key_codes.shape[2]
+    g = hq // hkv
+    if key_codes.stride(-1) != 1:
+        key_codes = key_codes.contiguous()
+    if query_codes.stride(-1) != 1:
+        query_codes = query_codes.contiguous()
+    rows = b * hkv * q
+    out = torch.empty(b, hkv, q, n, dtype=out_dtype, device=key_codes.device)
+    block = 512 if n >= 8192 else 128
+    num_chunks, bpc = chunking(rows, n, block, key_codes.device)
+    if hist_bits is not None:
+        hist = torch.empty(rows, num_chunks, 1 << hist_bits, dtype=torch.int32, device=key_codes.device)
+    else:
+        hist = out  # unused
+    _hamming_kernel[(num_chunks, rows)](
+        query_codes,
+        key_codes,
+        out,
+        hist,
+        n,
+        q,
+        hkv,
+        bits,
+        num_chunks,
+        bpc,
+        *query_codes.stride()[:3],
+        *key_codes.stride()[:3],
+        *out.stride()[:3],
+        G=g,
+        W=w,
+        WP=next_pow2(w),
+        BLOCK=block,
+        HIST=hist_bits is not None,
+        NBITS=hist_bits or 1,
+        USE_POPC=key_codes.is_cuda,
+        num_warps=4,
+    )
+    return out, hist, num_chunks, bpc, block
+
+
+def hamming_scores_triton(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
+    from sparsekv.kernels.hamming import _check
+
+    _check(query_codes, key_codes)
+    return _launch(query_codes, key_codes, bits, torch.int32)[0]
+
+
+def hamming_topk_triton(
+    query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int
+) -> torch.Tensor:
+    """Fused scoring + histogram, then threshold + compaction: [B, Hkv, Q, k] int64 (unordered)."""
+    from sparsekv.kernels.hamming import _check
+
+    _, g = _check(query_codes, key_codes)
+    max_score = g * bits
+    nbits = max(1, (next_pow2(max_score + 1) - 1).bit_length())
+    dtype = torch.int16 if max_score < 2**15 else torch.int32
+    scores, hist, num_chunks, bpc, block = _launch(query_codes, key_codes, bits, dtype, hist_bits=nbits)
+    flat = scores.view(-1, scores.shape[-1])
+    out = topk_from_histogram(flat, hist, num_chunks, bpc, k, 0, nbits, max_score + 1, block)
+    return out.view(*scores.shape[:-1], k)

@@ -1,0 +1,177 @@
+"""Split-K (flash-decoding style) attention over gathered key positions.
+
+One program owns one (batch, selection head, query) row and one slice of its index list; it gathers each listed
+K/V row once and uses it for every query head that the row serves (the GQA group when S = Hkv, one head when
+S = Hq). Partial outputs + log-sum-exp per slice are merged by a second small kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.kernels._triton import next_pow2
+
+
+@triton.jit
+def _partial_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    valid_ptr,
+    o_ptr,
+    lse_ptr,
+    S,
+    Q,
+    K,
+    split_len,
+    num_splits,
+    HQ,
+    g,
+    qk_scale,
+    sqb,
+    sqh,
+    sqq,
+    skb,
+    skh,
+    skn,
+    svb,
+    svh,
+    svn,
+    sib,
+    sis,
+    siq,
+    svlb,
+    svls,
+    svlq,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    DP: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    sp = tl.program_id(0)
+    r = tl.program_id(1)
+    qi = r % Q
+    s = (r // Q) % S
+    b = r // (Q * S)
+    kvh = (s * G) // g
+    heads = tl.arange(0, GP)
+    hmask = heads < G
+    d = tl.arange(0, DP)
+    dmask = d < D
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * sqb + (s * G + heads[:, None]).to(tl.int64) * sqh + qi * sqq + d[None, :],
+        mask=hmask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = v_ptr + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+    i_base = idx_ptr + b.to(tl.int64) * sib + s.to(tl.int64) * sis + qi.to(tl.int64) * siq
+    vl_base = valid_ptr + b.to(tl.int64) * svlb + s.to(tl.int64) * svls + qi.to(tl.int64) * svlq
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, DP], dtype=tl.float32)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, K)
+    for j in range(start, end, BLOCK):
+        offs = j + tl.arange(0, BLOCK)
+        jm = offs < end
+        ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
+        idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
+        kt = tl.load(k_base + idx[:, None] * skn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+        sc = tl.dot(q, tl.trans(kt)) * qk_scale  # [GP, BLOCK], log2 domain
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
+        m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    hq = s * G + heads
+    row = (b.to(tl.int64) * HQ + hq) * Q + qi  # [GP] rows of the (B, Hq, Q) output
+    tl.store(lse_ptr + row * num_splits + sp, lse, mask=hmask)
+    tl.store(
+        o_ptr + (row * num_splits + sp)[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :]
+    )
+
+
+@triton.jit
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SP)
+    d = tl.arange(0, DP)
+    smask = sp < num_splits
+    lse = tl.load(lse_ptr + row * num_splits + sp, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m))
+    o = tl.load(
+        o_ptr + (row * num_splits + sp)[:, None] * D + d[None, :],
+        mask=smask[:, None] & (d < D)[None, :],
+        other=0.0,
+    )
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * D + d, res.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def sparse_attention_triton(
+    query, keys, values, indices, valid, scaling, *, block: int = 64, splits: int | None = None
+):
+    b, hq, q, d = query.shape
+    hkv = keys.shape[1]
+    s, kk = indices.shape[1], indices.shape[3]
+    g = hq // hkv
+    heads_per_row = hq // s
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        keys, values = keys.contiguous(), values.contiguous()
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if valid.dtype == torch.bool:
+        valid = valid.view(torch.uint8)
+    rows = b * s * q
+    if splits is None:
+        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
+        splits = max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(kk, block)))
+    split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
+    splits = max(1, triton.cdiv(kk, split_len))
+    o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
+    lse = torch.empty(b * hq * q, splits, dtype=torch.float32, device=query.device)
+    _partial_kernel[(splits, rows)](
+        query,
+        keys,
+        values,
+        indices,
+        valid,
+        o_part,
+        lse,
+        s,
+        q,
+        kk,
+        split_len,
+        splits,
+        hq,
+        g,
+        scaling * 1.4426950408889634,
+        *query.stride()[:3],
+        *keys.stride()[:3],
+        *values.stride()[:3],
+        *indices.stride()[:3],
+        *valid.stride()[:3],
+        G=heads_per_row,
+        GP=max(16, next_pow2(heads_per_row)),
+        D=d,
+        DP=next_pow2(d),
+        BLOCK=block,
+        num_warps=4,
+        num_stages=2,
+    )
+    out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
+    _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits))
+    return out

@@ -1,0 +1,119 @@
+"""Triton kernels against their references: on CUDA when present, else under the CPU interpreter.
+
+The interpreter is slow, so sizes stay small but deliberately awkward (not multiples of the block sizes)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from sparsekv.kernels.hamming import hamming_scores_reference
+from sparsekv.kernels.sparse_attention import sparse_attention_reference
+from tests.test_kernels_reference import assert_topk_set
+
+DEV = "cuda" if CUDA else "cpu"
+
+
+# Without a GPU the kernels run under the CPU interpreter, which needs TRITON_INTERPRET=1 before triton is first
+# imported: the kernel tests then run in a child pytest with that variable set (one extra process).
+RUN_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+here = pytest.mark.skipif(not RUN_HERE, reason="runs in the interpreter subprocess")
+
+
+@pytest.mark.skipif(RUN_HERE, reason="kernels run directly in this process")
+def test_kernels_under_interpreter():
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+        check=False,
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def impl():
+    return {
+        name: importlib.import_module(f"sparsekv.kernels.{name}")
+        for name in ("_hamming_triton", "_topk_triton", "_sparse_attention_triton")
+    }
+
+
+def _codes(shape, gen):
+    return torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).to(torch.int32).to(DEV)
+
+
+@here
+@pytest.mark.parametrize("bits,hq,hkv,n", [(128, 8, 2, 1000), (70, 3, 3, 333)])
+def test_hamming_triton(impl, bits, hq, hkv, n):
+    gen = torch.Generator().manual_seed(n)
+    w = (bits + 31) // 32
+    qc, kc = _codes((2, hq, 1, w), gen), _codes((2, hkv, n, w), gen)
+    out = impl["_hamming_triton"].hamming_scores_triton(qc, kc, bits=bits)
+    assert torch.equal(out.cpu(), hamming_scores_reference(qc.cpu(), kc.cpu(), bits=bits))
+
+
+@here
+@pytest.mark.parametrize("k", [1, 37, 500])
+def test_hamming_topk_triton(impl, k):
+    gen = torch.Generator().manual_seed(k)
+    qc, kc = _codes((2, 8, 1, 4), gen), _codes((2, 2, 777, 4), gen)
+    idx = impl["_hamming_triton"].hamming_topk_triton(qc, kc, k, bits=128)
+    scores = hamming_scores_reference(qc.cpu(), kc.cpu(), bits=128)
+    assert_topk_set(scores, idx.cpu(), k)
+
+
+@here
+@pytest.mark.parametrize("n,k,lo", [(301, 17, 0), (1234, 200, -50)])
+def test_select_topk_int_triton(impl, n, k, lo):
+    gen = torch.Generator().manual_seed(n)
+    scores = torch.randint(lo, lo + 60, (2, 3, 1, n), generator=gen, dtype=torch.int32).to(DEV)
+    idx = impl["_topk_triton"].select_topk_int(scores, k, lo, lo + 59)
+    assert_topk_set(scores.cpu(), idx.cpu(), k)
+
+
+@here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_select_topk_float_triton(impl, dtype):
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 2, 1, 613, generator=gen).to(dtype)
+    scores[0, 0, 0, :50] = scores[0, 0, 0, 50]  # ties at the threshold, negatives, and +-0
+    scores[1, 1, 0, :5] = -0.0
+    idx = impl["_topk_triton"].select_topk_float(scores.to(DEV), 71)
+    assert_topk_set(scores, idx.cpu(), 71)
+
+
+@here
+@pytest.mark.parametrize("hq,hkv,per_head,d,n,k", [(8, 2, False, 64, 300, 45), (6, 3, True, 40, 200, 77)])
+def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
+    gen = torch.Generator().manual_seed(k)
+    b, q = 2, 1 if not per_head else 2
+    s = hq if per_head else hkv
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    indices = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(b * s * q)]).view(b, s, q, k)
+    valid = torch.rand(b, s, q, k, generator=gen) < 0.7
+    valid[..., 0] = True
+    scale = d**-0.5
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, scale)
+    args = [t.to(DEV) for t in (query, keys, values, indices, valid)]
+    out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, block=16, splits=3)
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU
