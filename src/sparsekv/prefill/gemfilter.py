@@ -96,7 +96,7 @@ def _rotary(attn: torch.nn.Module) -> Callable:
 def last_query_scores(
     attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """[B, N] float32: sum over query heads of (post-RoPE last query) . (post-RoPE key j) of one attention layer.
+    """[B, N] (float32 or wider): sum over query heads of (post-RoPE last query) . (post-RoPE key j) of one attention layer.
 
     hidden_states [B, N, D] is the attention module's input (after the layer's input norm); position_embeddings
     the (cos, sin) the model hands to it. Only the last query is projected.
@@ -117,8 +117,9 @@ def last_query_scores(
     heads, kv_heads = query.shape[1], keys.shape[1]
     # repeat_kv maps query head h to kv head h // group; summing q_h . k over the heads of a group equals
     # (sum of the group's queries) . k, which avoids materialising the repeated keys
-    grouped = query.float().reshape(batch, kv_heads, heads // kv_heads, head_dim).sum(2)
-    return torch.einsum("bhd,bhnd->bn", grouped, keys.float())
+    dtype = torch.promote_types(keys.dtype, torch.float32)  # at least float32, float64 models stay exact
+    grouped = query.to(dtype).reshape(batch, kv_heads, heads // kv_heads, head_dim).sum(2)
+    return torch.einsum("bhd,bhnd->bn", grouped, keys.to(dtype))
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
