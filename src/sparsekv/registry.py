@@ -24,6 +24,8 @@ METHODS: dict[str, str] = {
     "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",
     "quest": "sparsekv.selectors.quest:QuestSelector",
     "lsh": "sparsekv.selectors.lsh:LSHSelector",
+    "snapkv": "sparsekv.selectors.snapkv:SnapKVSelector",
+    "h2o": "sparsekv.selectors.h2o:H2OSelector",
 }
 
 #: the pruner used when a config sets top_p on a method that does not consume top_p itself
