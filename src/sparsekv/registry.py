@@ -19,6 +19,7 @@ METHODS: dict[str, str] = {
     "oracle-topk": "sparsekv.selectors.oracle:OracleTopK",
     "oracle-topp": "sparsekv.selectors.oracle:OracleTopP",
     "streaming": "sparsekv.selectors.streaming:StreamingSelector",
+    "self-index": "sparsekv.selectors.self_index:SelfIndexSelector",
     "spotlight": "sparsekv.selectors.spotlight:SpotlightSelector",
     "twilight": "sparsekv.selectors.twilight:TwilightSelector",
     "gemfilter": "sparsekv.prefill.gemfilter:GemFilter",

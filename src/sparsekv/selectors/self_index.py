@@ -1,0 +1,667 @@
+"""Self-Indexing KV cache: the compressed keys are their own retrieval index.
+
+Per layer and kv-head, at the prefill:
+
+* keys are centred per channel (mu = mean over the prompt) so that every sign bit carries ~1 bit of entropy;
+* each key is split into groups of 4 channels; the sign pattern of a group is a 4-bit code (first channel of the
+  group = most significant bit, +1 -> 1, -1/0 -> 0);
+* the codebook is built in one pass: per group, the 16 centroids are the means of the centred prompt keys having
+  that sign pattern (an empty pattern falls back to the pattern's signs times the group's mean magnitudes);
+* scoring a query is a table lookup: table[g, c] = q_g . centroid[g, c], score(key) = sum_g table[g, code_g(key)];
+  the top-k of these scores (GQA "group": the group's queries are summed first, which is exact by linearity) is
+  the selection, with the method's sink tokens always in front;
+* storage: the sign bits are the index *and* the sign of the stored key (1 bit per element). The magnitudes
+  |K - mu| / alpha (alpha = per-channel abs max over the prompt) and the values V are quantized token-wise to
+  `kv_bits` (2) bits with a float16 scale and zero per group of 32 elements. Nothing else of a compressed token is
+  kept; attention gathers the selected tokens and dequantizes only those.
+* `sink_tokens` (64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the last 32 prompt
+  queries, summed over the group, avg-pooled with kernel 5) and kept at 16-bit precision; the selection always
+  includes them (inside the budget, ranked by their SnapKV weight).
+
+Decode tokens (decision): every new token is compressed as soon as it is stored, with the prompt's mu/alpha and
+codebook (its code is its sign pattern; codebooks are not updated, so nothing depends on future tokens).
+Additionally the tokens of the current *residual block* stay readable at 16-bit: blocks of `residual` tokens are
+counted from the first decode position, and a query at position p reads the tokens of its own block (positions
+block_start(p)..p) at 16-bit and every older token compressed. That is exactly what token-by-token decoding does
+when a block's 16-bit copy is dropped once the block is full, so chunked decoding gives the same result; at rest
+the 16-bit copy holds < `residual` tokens.
+
+`kv_bits=16` keeps K/V in the input precision and uses only the 1-bit index (the paper's "16,16,1" row); it then
+reproduces dense attention when the budget covers the context.
+
+Memory: `SelfIndexSelector.memory_breakdown()` and `cache_memory(cache)` measure the bytes of the tensors actually
+held (buffer capacity included), and `sparsekv cache-memory` prints them per token against a bf16 dense cache.
+
+The LUT scoring and 2-bit (de)quantization below are plain-PyTorch references (the kernels package has no
+`lut_score` op yet); `kernels.bits.pack_sign_bits` packs the sign bits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.kernels.bits import pack_sign_bits
+from sparsekv.kernels.sparse_attention import sparse_attention
+from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
+
+GROUP_DIMS = 4  # channels per sign-pattern group (16 centroids per group)
+QUANT_GROUP = 32  # elements per (scale, zero) pair
+SNAP_WINDOW = 32  # prompt queries that vote for the sink tokens
+SNAP_KERNEL = 5  # avg-pooling width of the SnapKV votes
+KV_BITS = (2, 4, 16)
+FP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "input": None}
+_SINK_BASE = 1.0e7  # sink scores: _SINK_BASE + (sinks - rank), exact in float32 and above any LUT score
+_SENTINEL = 2**62  # sink position of an unused sink slot (sorts last, never matches a key)
+
+# 4-bit value with channel i of the group in bit i  ->  code with channel 0 as the most significant bit
+_BITREV4 = torch.tensor([int(f"{i:04b}"[::-1], 2) for i in range(16)], dtype=torch.uint8)
+# sign of each channel of a code's pattern: [16, 4], +1 where the bit is set
+_PATTERN_SIGNS = torch.tensor([[1.0 if (c >> (3 - i)) & 1 else -1.0 for i in range(4)] for c in range(16)])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sign codes, codebook, LUT scores
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def sign_codes(x: torch.Tensor) -> torch.Tensor:
+    """x [..., d] (d % 4 == 0) -> uint8 [..., d/4]: Code = sum_i [x_i > 0] * 2^(3-i) per group of 4 channels."""
+    bits = (x > 0).to(torch.uint8).unflatten(-1, (-1, GROUP_DIMS))
+    weights = torch.tensor([8, 4, 2, 1], dtype=torch.uint8, device=x.device)
+    return (bits * weights).sum(-1, dtype=torch.uint8)
+
+
+def codes_from_sign_bits(words: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """int32 [..., W] packed by `pack_sign_bits` -> uint8 [..., head_dim/4] codes (same as `sign_codes`)."""
+    groups = head_dim // GROUP_DIMS
+    g = torch.arange(groups, device=words.device)
+    word = words[..., g // 8]
+    nibble = (word >> (4 * (g % 8)).to(torch.int32)) & 0xF
+    return _BITREV4.to(words.device)[nibble.long()]
+
+
+def one_pass_centroids(centred: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Codebook [B, H, G, 16, 4]: mean of the (centred) key groups having each sign pattern.
+
+    centred [B, H, N, d], codes [B, H, N, G], mask [B, N] bool (padding = False) or None. A pattern no key has
+    gets its signs times the group's mean absolute values (where a key with that pattern would most likely sit).
+    """
+    b, h, n, d = centred.shape
+    groups = d // GROUP_DIMS
+    x = centred.unflatten(-1, (groups, GROUP_DIMS)).permute(0, 1, 3, 2, 4)  # [B, H, G, N, 4]
+    weight = torch.ones(b, 1, 1, n, 1, dtype=x.dtype, device=x.device)
+    if mask is not None:
+        weight = mask.to(x.dtype).view(b, 1, 1, n, 1)
+    index = codes.long().permute(0, 1, 3, 2)[..., None]  # [B, H, G, N, 1]
+    sums = torch.zeros(b, h, groups, 16, GROUP_DIMS, dtype=x.dtype, device=x.device)
+    sums.scatter_add_(3, index.expand(-1, -1, -1, -1, GROUP_DIMS), x * weight)
+    counts = torch.zeros(b, h, groups, 16, 1, dtype=x.dtype, device=x.device)
+    counts.scatter_add_(3, index, weight.expand(-1, h, groups, -1, -1).contiguous())
+    total = weight.sum(3, keepdim=True).clamp(min=1)  # [B, 1, 1, 1, 1]
+    fallback = (x.abs() * weight).sum(3, keepdim=True) / total * _PATTERN_SIGNS.to(x)  # [B, H, G, 16, 4]
+    return torch.where(counts > 0, sums / counts.clamp(min=1), fallback)
+
+
+def lut_scores(query: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, max_elements: int = 1 << 25) -> torch.Tensor:
+    """Compressed-domain q.k: query [B, S, Q, d] (S a multiple of the kv heads), centroids [B, Hkv, G, 16, 4],
+    codes [B, Hkv, N, G] -> [B, S, Q, N] = sum_g (q_g . centroid[g, code_g]) in the centroids' dtype.
+
+    Reference implementation (table then gather + sum over groups, in a fixed order, so a query's scores do not
+    depend on how many queries are scored together).
+    """
+    b, s, q, _ = query.shape
+    hkv, n, groups = codes.shape[1], codes.shape[2], codes.shape[3]
+    rep = s // hkv
+    cents = centroids.repeat_interleave(rep, dim=1) if rep > 1 else centroids
+    table = torch.einsum("bsqgi,bsgci->bsqgc", query.to(centroids.dtype).unflatten(-1, (groups, GROUP_DIMS)), cents)
+    table = table.flatten(-2)  # [B, S, Q, G*16]
+    offsets = torch.arange(groups, device=codes.device) * 16
+    flat = (codes.long() + offsets).flatten(-2)  # [B, Hkv, N*G]
+    if rep > 1:
+        flat = flat.repeat_interleave(rep, dim=1)
+    out = torch.empty(b, s, q, n, dtype=table.dtype, device=table.device)
+    step = max(1, max_elements // max(1, b * s * n * groups))
+    for lo in range(0, q, step):
+        hi = min(q, lo + step)
+        picked = table[:, :, lo:hi].gather(-1, flat[:, :, None].expand(-1, -1, hi - lo, -1))
+        out[:, :, lo:hi] = picked.view(b, s, hi - lo, n, groups).sum(-1)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# token-wise low-bit quantization
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def quant_group_size(head_dim: int) -> int:
+    for size in (QUANT_GROUP, 16, 8, 4):
+        if head_dim % size == 0:
+            return size
+    raise ConfigError(f"self-index needs a head_dim divisible by 4, got {head_dim}")
+
+
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes in [0, 2^bits) [..., d] -> uint8 [..., d*bits/8] (element i in the low bits first)."""
+    per_byte = 8 // bits
+    v = values.to(torch.uint8).unflatten(-1, (-1, per_byte))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=values.device)
+    return (v << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-wise asymmetric quantization per `group` elements: x [..., d] ->
+    (packed uint8 [..., d*bits/8], scale fp16 [..., d/group], zero fp16 [..., d/group]).
+
+    zero = min, scale = (max - min) / (2^bits - 1), both rounded to float16 first (the stored values), so that
+    |x - dequantize(...)| <= scale / 2 + float16 rounding of zero holds for the stored parameters.
+    """
+    levels = (1 << bits) - 1
+    g = x.unflatten(-1, (-1, group))
+    lo, hi = g.amin(-1), g.amax(-1)
+    zero = lo.to(torch.float16)
+    scale = ((hi - zero.to(x.dtype)) / levels).to(torch.float16)
+    scale = torch.where((scale.to(x.dtype) * levels + zero.to(x.dtype)) < hi, torch.nextafter(scale, scale.new_tensor(math.inf)), scale)
+    safe = torch.where(scale > 0, scale.to(x.dtype), torch.ones_like(hi))
+    q = torch.round((g - zero.to(x.dtype)[..., None]) / safe[..., None]).clamp(0, levels)
+    return pack_bits(q.flatten(-2), bits), scale, zero
+
+
+def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    q = unpack_bits(packed, bits).to(dtype).unflatten(-1, (scale.shape[-1], -1))
+    return (q * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).flatten(-2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SnapKV-style sink choice
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def snap_sinks(
+    keys: torch.Tensor, query: torch.Tensor, count: int, scaling: float, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` prompt tokens per kv-head most attended by the last SNAP_WINDOW real prompt queries (softmax
+    weights summed over the window and the group's heads, avg-pooled over SNAP_KERNEL neighbours).
+
+    Returns (positions [B, Hkv, count] int64 sorted ascending, unused slots = a sentinel; rank [B, Hkv, count]
+    int64, 0 = most attended, in the same order).
+    """
+    b, hkv, n, _ = keys.shape
+    hq = query.shape[1]
+    mask = torch.ones(b, n, dtype=torch.bool, device=keys.device) if key_mask is None else key_mask.bool()
+    real = mask.sum(-1)  # left padding: the real tokens are the last `real` ones
+    window = min(SNAP_WINDOW, n)
+    pos = torch.arange(n - window, n, device=keys.device)
+    q = query[:, :, n - window :].float()
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hq, W, N]
+    allowed = (torch.arange(n, device=keys.device)[None, :] <= pos[:, None])[None] & mask[:, None, :]
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    in_window = (pos[None, :] >= n - torch.clamp(real, max=SNAP_WINDOW)[:, None]) & mask[:, n - window :]
+    weights = weights * in_window[:, None, :, None]
+    votes = weights.sum(2).view(b, hkv, hq // hkv, n).sum(2)  # [B, Hkv, N]
+    votes = F.avg_pool1d(votes, SNAP_KERNEL, stride=1, padding=SNAP_KERNEL // 2, count_include_pad=True)
+    votes = votes.masked_fill(~mask[:, None], float("-inf"))
+    k_top = min(count, n)
+    top = votes.sort(dim=-1, descending=True, stable=True)
+    chosen, chosen_votes = top.indices[..., :k_top], top.values[..., :k_top]
+    used = chosen_votes > float("-inf")
+    rank = torch.arange(k_top, device=keys.device).expand_as(chosen)
+    positions = torch.where(used, chosen, torch.full_like(chosen, _SENTINEL))
+    positions, order = positions.sort(dim=-1)
+    return positions, rank.gather(-1, order)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# growable storage with measured bytes
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Buffers:
+    """Named [B, H, capacity, c] tensors grown together along dim 2 (by a small step, to keep the slack low)."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.length = 0
+
+    def append(self, **new: torch.Tensor) -> None:
+        count = next(iter(new.values())).shape[2]
+        needed = self.length + count
+        for name, value in new.items():
+            buf = self.tensors.get(name)
+            if buf is None or buf.shape[2] < needed:
+                capacity = needed if buf is None else needed + max(64, needed // 32)
+                grown = value.new_empty(*value.shape[:2], capacity, *value.shape[3:])
+                if buf is not None:
+                    grown[:, :, : self.length] = buf[:, :, : self.length]
+                self.tensors[name] = grown
+            self.tensors[name][:, :, self.length : needed] = value
+        self.length = needed
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.tensors[name][:, :, : self.length]
+
+    def nbytes(self) -> dict[str, int]:
+        return {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the selector
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SelfIndexSelector(TokenSelector):
+    """Self-Indexing KV cache (1-bit sign VQ index + token-wise low-bit K/V). Options:
+
+    kv_bits: 2 (default) or 4 = compressed K magnitudes and V; 16 = full-precision K/V, only the 1-bit index.
+    sink_tokens: prompt tokens per kv-head kept at 16-bit and always selected (SnapKV-style choice; 0 = none).
+    residual: decode tokens of the current block read at 16-bit (block size; 0 = read every token compressed).
+    fp_dtype: storage of the 16-bit parts of a compressed cache ("bfloat16", "float16" or "input").
+    """
+
+    name = "self-index"
+    stores_kv = True
+    #: a 2-bit cache cannot reproduce dense logits tightly (kv_bits=16 can)
+    lossy: ClassVar[bool] = True
+
+    kv_bits: int = 2
+    sink_tokens: int = 64
+    residual: int = 32
+    fp_dtype: str = "bfloat16"
+
+    @classmethod
+    def check_config(cls, config: SparseConfig) -> None:
+        options = config.options
+        bits = options.get("kv_bits", 2)
+        if isinstance(bits, bool) or bits not in KV_BITS:
+            raise ConfigError(f"self-index kv_bits must be one of {KV_BITS}, got {bits!r}")
+        for name in ("sink_tokens", "residual"):
+            value = options.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"self-index {name} must be an int >= 0, got {value!r}")
+        if options.get("fp_dtype", "bfloat16") not in FP_DTYPES:
+            raise ConfigError(f"self-index fp_dtype must be one of {', '.join(FP_DTYPES)}")
+        if config.top_p is not None:
+            raise ConfigError(
+                "self-index keeps its own compressed K/V, which the top-p pruner cannot read; leave top_p unset"
+            )
+
+    def __post_init__(self) -> None:
+        d = self.layer.head_dim
+        if d % GROUP_DIMS:
+            raise ConfigError(f"self-index needs a head_dim divisible by {GROUP_DIMS}, got {d}")
+        self.quant_group = quant_group_size(d)
+        self._prefilled = False
+        self._store = _Buffers()  # sign bits (+ quantized K/V, or full K/V when kv_bits=16)
+        self._tail = _Buffers()  # 16-bit copy of the current residual block(s)
+        self._tail_start = 0
+        self.decode_start = 0
+        self.mu = self.alpha = self.centroids = None
+        self.sink_positions = self.sink_rank = self.sink_keys = self.sink_values = None
+
+    # --- storage hook -------------------------------------------------------------------------------------------
+
+    @property
+    def compressed(self) -> bool:
+        return self.kv_bits < 16
+
+    def _work_dtype(self, like: torch.Tensor) -> torch.dtype:
+        return torch.float64 if like.dtype == torch.float64 else torch.float32
+
+    def _fp_dtype(self, like: torch.Tensor) -> torch.dtype:
+        return FP_DTYPES[self.fp_dtype] or like.dtype
+
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._prefilled:
+            return key_states, value_states  # the dense prefill needs them; prefill() compresses
+        self._append(key_states, value_states)
+        b, h, _, _ = key_states.shape
+        stand_in = key_states.new_empty(b, h, self._store.length, 0)
+        return stand_in, stand_in
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None) -> None:
+        """Builds mu/alpha/codebook/sinks from the prompt and compresses it. `key_mask` [B, N] (False = padding)
+        keeps left padding out of the statistics; without it every prompt position counts."""
+        work = self._work_dtype(keys)
+        k = keys.to(work)
+        b, _, n, d = k.shape
+        weight = torch.ones(b, n, dtype=work, device=k.device) if key_mask is None else key_mask.to(work)
+        wsum = weight.sum(-1).clamp(min=1)[:, None, None, None]
+        self.mu = (k * weight[:, None, :, None]).sum(2, keepdim=True) / wsum  # [B, H, 1, d]
+        centred = k - self.mu
+        masked_abs = centred.abs() * weight[:, None, :, None]
+        self.alpha = masked_abs.amax(2, keepdim=True).clamp(min=torch.finfo(work).tiny ** 0.5)
+        codes = sign_codes(centred)
+        self.centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
+        if self.sink_tokens > 0:
+            self.sink_positions, self.sink_rank = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
+            if self.compressed:
+                idx = self.sink_positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
+                fp = self._fp_dtype(keys)
+                self.sink_keys = keys.gather(2, idx).to(fp)
+                self.sink_values = values.gather(2, idx).to(fp)
+        self._prefilled = True
+        self._append(keys, values, prompt=True)
+        self.decode_start = n
+        self._tail_start = n
+
+    def _append(self, keys: torch.Tensor, values: torch.Tensor, prompt: bool = False) -> None:
+        work = self._work_dtype(keys)
+        centred = keys.to(work) - self.mu
+        parts = {"sign_bits": pack_sign_bits(centred)}
+        if self.compressed:
+            mag, mag_scale, mag_zero = quantize(centred.abs() / self.alpha, self.kv_bits, self.quant_group)
+            val, val_scale, val_zero = quantize(values.to(work), self.kv_bits, self.quant_group)
+            parts.update(k_mag=mag, k_scale=mag_scale, k_zero=mag_zero, v=val, v_scale=val_scale, v_zero=val_zero)
+        else:
+            parts.update(k_full=keys, v_full=values)
+        self._store.append(**parts)
+        if prompt or not self.compressed or self.residual == 0:
+            return
+        # 16-bit copy of the decode tokens from the block of the first new token on (older blocks are full)
+        first = self._store.length - keys.shape[2]
+        block = self.decode_start + (first - self.decode_start) // self.residual * self.residual
+        if block > self._tail_start:
+            kept = self._tail.length - (block - self._tail_start)
+            old = {name: self._tail.view(name)[:, :, -kept:] if kept > 0 else None for name in ("k", "v")}
+            self._tail = _Buffers()
+            if old["k"] is not None:
+                self._tail.append(k=old["k"], v=old["v"])
+            self._tail_start = block
+        fp = self._fp_dtype(keys)
+        self._tail.append(k=keys.to(fp), v=values.to(fp))
+
+    # --- selection ----------------------------------------------------------------------------------------------
+
+    def codes(self) -> torch.Tensor:
+        """[B, Hkv, N, G] uint8 sign-pattern codes of every cached token (decoded from the stored sign bits)."""
+        return codes_from_sign_bits(self._store.view("sign_bits"), self.layer.head_dim)
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        layer = step.layer
+        query = step.query.to(self.centroids.dtype)
+        if step.gqa == "group" and layer.group_size > 1:
+            b, _, q, d = query.shape
+            query = query.view(b, layer.num_kv_heads, layer.group_size, q, d).sum(2)
+        scores = lut_scores(query, self.centroids, self.codes()).float()
+        if self.sink_positions is not None:
+            scores = self._boost_sinks(scores)
+        return scores
+
+    def _boost_sinks(self, scores: torch.Tensor) -> torch.Tensor:
+        heads = scores.shape[1]
+        rep = heads // self.sink_positions.shape[1]
+        positions = self.sink_positions.repeat_interleave(rep, dim=1) if rep > 1 else self.sink_positions
+        rank = self.sink_rank.repeat_interleave(rep, dim=1) if rep > 1 else self.sink_rank
+        used = positions < _SENTINEL
+        boost = (_SINK_BASE + (positions.shape[-1] - rank)).to(scores.dtype)
+        index = positions.clamp(max=scores.shape[-1] - 1)[:, :, None].expand(-1, -1, scores.shape[2], -1)
+        current = scores.gather(-1, index)
+        return scores.scatter(-1, index, torch.where(used[:, :, None], boost[:, :, None].expand_as(current), current))
+
+    def select(self, step: DecodeStep) -> Selection:
+        """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
+        does not depend on the other rows or on the row length (chunked == token-by-token)."""
+        scores = to_selection_heads(self.score(step), step).float()
+        visible = step.visible[:, None]
+        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
+        k_max = int(step.budgets.max())
+        ranked = scores.sort(dim=-1, descending=True, stable=True)
+        values, indices = ranked.values[..., :k_max], ranked.indices[..., :k_max]
+        ranks = torch.arange(k_max, device=scores.device)
+        valid = (ranks < step.budgets[:, None, :, None]) & (values > float("-inf"))
+        return Selection(indices=indices, valid=valid)
+
+    # --- attention over the gathered tokens -------------------------------------------------------------------
+
+    def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
+        if not self.compressed:
+            keys, values = self._store.view("k_full"), self._store.view("v_full")
+            return sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling)
+        query = step.query
+        b, hq, q_len, d = query.shape
+        s = selection.indices.shape[1]
+        k_sel = selection.indices.shape[-1]
+        chunk = max(1, (1 << 22) // max(1, b * s * k_sel * d))
+        out = query.new_empty(b, hq, q_len, d)
+        n = self._store.length
+        for lo in range(0, q_len, chunk):
+            hi = min(q_len, lo + chunk)
+            positions = torch.arange(n - q_len + lo, n - q_len + hi, device=query.device)
+            out[:, :, lo:hi] = self._attend_chunk(
+                query[:, :, lo:hi], selection.indices[:, :, lo:hi], selection.valid[:, :, lo:hi], positions, scaling
+            )
+        return out
+
+    def gather_dequantized(self, indices: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """indices [B, S, Q, K] (S = kv heads or query heads), positions [Q] of the queries ->
+        K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit)."""
+        b, s, q, k = indices.shape
+        hkv, d = self.layer.num_kv_heads, self.layer.head_dim
+        rep = s // hkv
+        work = self.mu.dtype
+
+        def per_sel_head(t: torch.Tensor) -> torch.Tensor:
+            return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+        def gather(name: str) -> torch.Tensor:
+            src = per_sel_head(self._store.view(name))  # [B, S, N, c]
+            c = src.shape[-1]
+            flat = indices.reshape(b, s, q * k, 1).expand(-1, -1, -1, c)
+            return src.gather(2, flat).view(b, s, q, k, c)
+
+        bits = gather("sign_bits")  # [B, S, Q, K, W] int32
+        ch = torch.arange(d, device=indices.device)
+        sign = ((bits[..., ch // 32] >> (ch % 32).to(torch.int32)) & 1).to(work) * 2 - 1
+        mag = dequantize(gather("k_mag"), gather("k_scale"), gather("k_zero"), self.kv_bits, work)
+        mu, alpha = per_sel_head(self.mu)[:, :, None], per_sel_head(self.alpha)[:, :, None]  # [B, S, 1, 1, d]
+        keys = mu + sign * mag * alpha
+        values = dequantize(gather("v"), gather("v_scale"), gather("v_zero"), self.kv_bits, work)
+
+        if self.sink_positions is not None and self.sink_keys is not None:
+            sink_pos = per_sel_head(self.sink_positions)
+            flat_idx = indices.reshape(b, s, q * k).contiguous()
+            slot = torch.searchsorted(sink_pos.contiguous(), flat_idx).clamp(max=sink_pos.shape[-1] - 1)
+            is_sink = (sink_pos.gather(-1, slot) == flat_idx).view(b, s, q, k, 1)
+            flat = slot[..., None].expand(-1, -1, -1, d)
+            sink_k = per_sel_head(self.sink_keys).to(work).gather(2, flat).view(b, s, q, k, d)
+            sink_v = per_sel_head(self.sink_values).to(work).gather(2, flat).view(b, s, q, k, d)
+            keys = torch.where(is_sink, sink_k, keys)
+            values = torch.where(is_sink, sink_v, values)
+
+        if self.residual > 0 and self._tail.length > 0:
+            block = self.decode_start + (positions - self.decode_start) // self.residual * self.residual  # [Q]
+            in_block = (indices >= block[None, None, :, None]) & (indices >= self._tail_start)
+            local = (indices - self._tail_start).clamp(0, self._tail.length - 1)
+            flat = local.reshape(b, s, q * k, 1).expand(-1, -1, -1, d)
+            tail_k = per_sel_head(self._tail.view("k")).to(work).gather(2, flat).view(b, s, q, k, d)
+            tail_v = per_sel_head(self._tail.view("v")).to(work).gather(2, flat).view(b, s, q, k, d)
+            keys = torch.where(in_block[..., None], tail_k, keys)
+            values = torch.where(in_block[..., None], tail_v, values)
+        return keys, values
+
+    def _attend_chunk(self, query, indices, valid, positions, scaling) -> torch.Tensor:
+        b, hq, q, d = query.shape
+        s = indices.shape[1]
+        keys, values = self.gather_dequantized(indices, positions)
+        work = keys.dtype
+        qh = query.to(work).view(b, s, hq // s, q, d)
+        logits = torch.einsum("bsgqd,bsqkd->bsgqk", qh, keys) * scaling
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
+        return out.reshape(b, hq, q, d).to(query.dtype)
+
+    # --- memory ---------------------------------------------------------------------------------------------------
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of every tensor this layer holds (buffer capacity included), by component."""
+        store = self._store.nbytes()
+        out = {
+            "sign_bits": store.get("sign_bits", 0),
+            "k_quant": store.get("k_mag", 0),
+            "k_scale_zero": store.get("k_scale", 0) + store.get("k_zero", 0),
+            "v_quant": store.get("v", 0),
+            "v_scale_zero": store.get("v_scale", 0) + store.get("v_zero", 0),
+            "kv_full": store.get("k_full", 0) + store.get("v_full", 0),
+            "sinks_fp": _nbytes(self.sink_keys) + _nbytes(self.sink_values),
+            "sink_positions": _nbytes(self.sink_positions) + _nbytes(self.sink_rank),
+            "residual_fp": sum(self._tail.nbytes().values()),
+            "codebook": _nbytes(self.centroids),
+            "mu_alpha": _nbytes(self.mu) + _nbytes(self.alpha),
+        }
+        return out
+
+    @property
+    def num_tokens(self) -> int:
+        return self._store.length
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# memory report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def cache_memory(cache) -> dict:
+    """Measured bytes held by a SparseCache, per component and per token, against a bf16 dense cache of the same
+    model and length (2 * head_dim * 2 bytes per token, kv-head and layer)."""
+    components: dict[str, int] = {}
+    tokens = 0
+    compressed_layers = dense_layers = 0
+    compressed_bytes = 0
+    kv_heads = head_dim = 0
+    batch = 1
+    for layer, info in zip(cache.layers, cache.infos):
+        kv_heads, head_dim = info.num_kv_heads, info.head_dim
+        selector = layer.selector
+        if selector is not None and hasattr(selector, "memory_breakdown"):
+            parts = selector.memory_breakdown()
+            compressed_layers += 1
+            compressed_bytes += sum(parts.values())
+            tokens = max(tokens, selector.num_tokens)
+            if selector.mu is not None:
+                batch = selector.mu.shape[0]
+        else:
+            dense_layers += 1
+            parts = {"dense_layers_kv": _nbytes(getattr(layer, "_key_buffer", None))
+                     + _nbytes(getattr(layer, "_value_buffer", None))}
+            tokens = max(tokens, getattr(layer, "length", 0))
+            if getattr(layer, "_key_buffer", None) is not None:
+                batch = layer._key_buffer.shape[0]
+        for name, value in parts.items():
+            components[name] = components.get(name, 0) + value
+    units = max(1, tokens * batch * kv_heads)  # token x kv-head x sequence
+    bf16_per_layer = 2 * head_dim * 2
+    total = sum(components.values())
+    layers = compressed_layers + dense_layers
+    return {
+        "tokens": tokens,
+        "batch": batch,
+        "layers": layers,
+        "compressed_layers": compressed_layers,
+        "dense_layers": dense_layers,
+        "bytes_total": total,
+        "bytes_per_token": total / max(1, tokens * batch),
+        "dense_bf16_bytes_per_token": bf16_per_layer * kv_heads * layers,
+        "ratio_vs_bf16": total / max(1, units * bf16_per_layer * layers),
+        "compressed_layers_ratio_vs_bf16": (
+            compressed_bytes / max(1, units * bf16_per_layer * compressed_layers) if compressed_layers else None
+        ),
+        "components": components,
+        "components_bytes_per_token_per_kv_head_per_layer": {
+            name: value / max(1, units * (compressed_layers if name != "dense_layers_kv" else dense_layers))
+            for name, value in components.items() if value
+        },
+    }
+
+
+def measure_cache_memory(model, tokenizer, config: SparseConfig, context: int, decode_tokens: int = 8) -> dict:
+    """Prefill `context` haystack tokens, decode `decode_tokens` greedily, then measure the cache."""
+    import sparsekv
+    from sparsekv.assets import haystack_text
+    from sparsekv.cache import SparseCache
+
+    ids = tokenizer.encode(haystack_text(), add_special_tokens=False)[:context]
+    if len(ids) < context:
+        raise ConfigError(f"the haystack has only {len(ids)} tokens")
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], device=device)
+    cache = SparseCache.for_model(model, config)
+    with torch.inference_mode(), sparsekv.enabled(model, config):
+        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        for _ in range(decode_tokens):
+            token = logits.argmax(-1, keepdim=True)
+            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+    report = cache_memory(cache)
+    report.update(method=config.method, options=config.options, context=context, decode_tokens=decode_tokens,
+                  dense_layers_config=list(config.dense_layers))
+    return report
+
+
+def register(app) -> None:
+    from typing import Annotated
+
+    import typer
+
+    from sparsekv.cli import (
+        DenseLayersOpt,
+        DeviceOpt,
+        DtypeOpt,
+        ModelOpt,
+        OptionOpt,
+        OutputOpt,
+        build_config,
+        console,
+        load,
+        write_json,
+    )
+
+    @app.command("cache-memory")
+    def cache_memory_command(
+        model: ModelOpt = "default",
+        context: Annotated[int, typer.Option(help="prompt tokens (haystack text)")] = 4096,
+        method: Annotated[str, typer.Option("--method", "-m")] = "self-index",
+        dense_layers: DenseLayersOpt = "0,1",
+        option: OptionOpt = None,
+        decode_tokens: Annotated[int, typer.Option(help="decode steps after the prefill")] = 8,
+        device: DeviceOpt = "cpu",
+        dtype: DtypeOpt = "float32",
+        output: OutputOpt = None,
+    ) -> None:
+        """Bytes the KV cache actually holds per token, by component, vs a bf16 dense cache."""
+        from rich.table import Table
+
+        config = build_config(method, "0.1", None, dense_layers, 0, 0, "group", option)
+        loaded, tokenizer = load(model, device, dtype)
+        report = measure_cache_memory(loaded, tokenizer, config, context, decode_tokens)
+        per = report["components_bytes_per_token_per_kv_head_per_layer"]
+        table = Table("component", "bytes / token / kv-head / layer", "total MiB")
+        for name, value in report["components"].items():
+            if value:
+                table.add_row(name, f"{per[name]:.2f}", f"{value / 2**20:.2f}")
+        console.print(table)
+        ratio = report["compressed_layers_ratio_vs_bf16"]
+        console.print(
+            f"{report['tokens']} tokens: {report['bytes_per_token']:.0f} B/token held vs "
+            f"{report['dense_bf16_bytes_per_token']} B/token for a bf16 dense cache "
+            f"({100 * report['ratio_vs_bf16']:.1f}% overall"
+            + (f"; {100 * ratio:.1f}% on the {report['compressed_layers']} compressed layers" if ratio else "")
+            + f"; {report['dense_layers']} dense layers at {dtype})"
+        )
+        write_json(output, report)
