@@ -114,3 +114,85 @@ def test_select_topk_reference(dtype):
     assert_topk_set(scores, idx, 17)
     assert torch.equal(idx, select_topk_reference(scores, 17))  # deterministic
     assert select_topk_reference(scores, 1000).shape[-1] == 301
+
+
+def test_top_p_reference():
+    from sparsekv.kernels.top_p import top_p_threshold_reference
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.softmax(torch.randn(6, 257, generator=g) * 3, -1)
+    valid = torch.rand(6, 257, generator=g) < 0.9
+    for p in (0.5, 0.9, 0.99):
+        keep = top_p_threshold_reference(w, valid, p)
+        assert not bool((keep & ~valid).any())
+        wv = torch.where(valid, w, 0.0)
+        for r in range(6):
+            kept = wv[r][keep[r]]
+            assert kept.sum() >= p * wv[r].sum() - 1e-4
+            # minimal up to the bisection tolerance: every kept weight is among the largest valid ones
+            order = wv[r].sort(descending=True).values
+            n_min = int((order.cumsum(0) < p * wv[r].sum()).sum()) + 1
+            assert kept.numel() <= n_min + int(((order - order[n_min - 1]).abs() < 2e-5).sum())
+    single = top_p_threshold_reference(
+        torch.tensor([[0.0, 1.0, 0.0]]), torch.tensor([[True, True, False]]), 0.9
+    )
+    assert single.tolist() == [[False, True, False]]
+
+
+def test_int4_roundtrip_and_qk():
+    from sparsekv.kernels.int4_qk import dequantize_int4, int4_qk_reference, quantize_int4
+
+    g = torch.Generator().manual_seed(6)
+    keys = torch.randn(2, 2, 50, 24, generator=g)
+    packed, scale, zero = quantize_int4(keys)
+    assert packed.dtype == torch.uint8 and packed.shape == (2, 2, 50, 12) and scale.shape == (2, 2, 50)
+    deq = dequantize_int4(packed, scale, zero)
+    assert bool(((deq - keys).abs() <= scale[..., None] / 2 + 1e-5).all())
+    query = torch.randn(2, 6, 2, 24, generator=g)
+    for s in (2, 6):
+        idx = torch.randint(0, 50, (2, s, 2, 9), generator=g)
+        est = int4_qk_reference(query, packed, scale, zero, idx)
+        assert est.shape == (2, 6, 2, 9)
+        full = torch.einsum("bhqd,bhnd->bhqn", query, deq.repeat_interleave(3, dim=1))
+        head_idx = idx.repeat_interleave(6 // s, dim=1)
+        assert torch.allclose(est, torch.gather(full, -1, head_idx), atol=1e-4)
+
+
+def test_quest_reference():
+    from sparsekv.kernels.quest import quest_page_scores_reference
+
+    g = torch.Generator().manual_seed(7)
+    keys = torch.randn(1, 2, 5, 16, 8, generator=g)  # 5 pages of 16 tokens
+    query = torch.randn(1, 4, 1, 8, generator=g)
+    mn, mx = keys.amin(3), keys.amax(3)
+    per_head = quest_page_scores_reference(query, mn, mx, group_reduce="none")
+    exact = torch.einsum("bhqd,bhpnd->bhqpn", query, keys.repeat_interleave(2, dim=1)).amax(-1)
+    assert bool((per_head >= exact - 1e-5).all())  # an upper bound of every token's q.k in the page
+    summed = quest_page_scores_reference(query, mn, mx)
+    assert torch.allclose(summed, per_head.reshape(1, 2, 2, 1, 5).sum(2), atol=1e-5)
+
+
+def test_lut_reference():
+    from sparsekv.kernels.lut_score import lut_scores_reference
+
+    g = torch.Generator().manual_seed(8)
+    d, n = 64, 30
+    keys = torch.randn(1, 2, n, d, generator=g)
+    centroids = torch.randn(1, 2, d // 4, 16, 4, generator=g)
+    codes = pack_sign_bits(keys)
+    query = torch.randn(1, 4, 2, d, generator=g)
+    out = lut_scores_reference(query, centroids, codes)
+    # naive: each group's pattern picks a centroid; score = sum over the group's query heads of q . centroid
+    bitsv = (keys > 0).long().reshape(1, 2, n, d // 4, 4)
+    pat = (bitsv * torch.tensor([1, 2, 4, 8])).sum(-1)
+    approx = (
+        torch.gather(
+            centroids[:, :, None].expand(1, 2, n, d // 4, 16, 4),
+            4,
+            pat[..., None, None].expand(1, 2, n, d // 4, 1, 4),
+        )
+        .squeeze(4)
+        .reshape(1, 2, n, d)
+    )
+    naive = torch.einsum("bhqd,bhnd->bhqn", query.reshape(1, 2, 2, 2, d).sum(2), approx)
+    assert torch.allclose(out, naive, atol=1e-4)

@@ -32,3 +32,16 @@ def use_triton(*tensors: torch.Tensor) -> bool:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def kernel(module: str, name: str):
+    """The Triton implementation `name` of sparsekv.kernels.<module>, or None where that module is absent."""
+    import importlib
+
+    try:
+        mod = importlib.import_module(f"sparsekv.kernels.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"sparsekv.kernels.{module}":
+            raise
+        return None
+    return getattr(mod, name)

@@ -1,0 +1,39 @@
+"""Quest page scoring: an upper bound of q.k per page from each page's per-channel key min and max."""
+
+from __future__ import annotations
+
+import torch
+
+
+def quest_page_scores_reference(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, *, group_reduce: str = "sum"
+) -> torch.Tensor:
+    """query [B, Hq, Q, d]; page_min/page_max [B, Hkv, P, d] -> sum_i max(q_i*max_i, q_i*min_i) as fp32,
+    [B, Hkv, Q, P] reduced over each GQA group ("sum" or "max") or [B, Hq, Q, P] with group_reduce="none"."""
+    b, hq, q, d = query.shape
+    hkv = page_min.shape[1]
+    g = hq // hkv
+    qg = query.float().reshape(b, hkv, g, q, 1, d)
+    mx = page_max.float()[:, :, None, None]
+    mn = page_min.float()[:, :, None, None]
+    s = torch.maximum(qg * mx, qg * mn).sum(-1)  # [B, Hkv, g, Q, P]
+    if group_reduce == "sum":
+        return s.sum(2)
+    if group_reduce == "max":
+        return s.amax(2)
+    if group_reduce == "none":
+        return s.reshape(b, hq, q, -1)
+    raise ValueError(f"group_reduce must be 'sum', 'max' or 'none', got {group_reduce!r}")
+
+
+def quest_page_scores(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, *, group_reduce: str = "sum"
+) -> torch.Tensor:
+    """Quest upper-bound page scores (see the reference for shapes)."""
+    from sparsekv.kernels._triton import kernel, use_triton
+
+    if use_triton(query, page_min, page_max) and group_reduce in ("sum", "max", "none"):
+        impl = kernel("_quest_triton", "quest_page_scores_triton")
+        if impl is not None:
+            return impl(query, page_min, page_max, group_reduce=group_reduce)
+    return quest_page_scores_reference(query, page_min, page_max, group_reduce=group_reduce)
