@@ -356,7 +356,6 @@ def budget_report(cache, quantiles: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0
             continue
         kept = _rows(pruner.kept_log)  # [S, T] (T = query rows over batch and calls)
         cand = _rows(pruner.candidate_log)
-        _, visible = cache.stats.layer_counts(idx)
         heads = kept.shape[0]
         seen = _visible_rows(cache.stats.visible_counts[idx], pruner.kept_log, heads)
         frac = kept.double() / seen.clamp(min=1).double()
