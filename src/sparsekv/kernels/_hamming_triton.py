@@ -129,6 +129,11 @@ def hamming_topk_triton(
     query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int
 ) -> torch.Tensor:
     """Fused scoring + histogram, then threshold + compaction: [B, Hkv, Q, k] int64 (unordered)."""
+    return hamming_select(hamming_score_hist(query_codes, key_codes, bits=bits), k)
+
+
+def hamming_score_hist(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int):
+    """Stage 1 of hamming_topk (exposed for stage timings): int16 scores + per-chunk histograms."""
     from sparsekv.kernels.hamming import _check
 
     _, g = _check(query_codes, key_codes)
@@ -136,6 +141,12 @@ def hamming_topk_triton(
     nbits = max(1, (next_pow2(max_score + 1) - 1).bit_length())
     dtype = torch.int16 if max_score < 2**15 else torch.int32
     scores, hist, num_chunks, bpc, block = _launch(query_codes, key_codes, bits, dtype, hist_bits=nbits)
+    return scores, hist, num_chunks, bpc, block, nbits, max_score
+
+
+def hamming_select(state, k: int) -> torch.Tensor:
+    """Stage 2 of hamming_topk: threshold + compaction from `hamming_score_hist`'s state."""
+    scores, hist, num_chunks, bpc, block, nbits, max_score = state
     flat = scores.view(-1, scores.shape[-1])
     out = topk_from_histogram(flat, hist, num_chunks, bpc, k, 0, nbits, max_score + 1, block)
     return out.view(*scores.shape[:-1], k)

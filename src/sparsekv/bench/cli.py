@@ -1,0 +1,90 @@
+"""`sparsekv bench kernels` and `sparsekv bench attention`: print a table, optionally write JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Kernel and sparse-attention benchmarks (GPU)."
+)
+console = Console()
+
+
+def register(parent: typer.Typer) -> None:
+    """Mounted by the top-level CLI as `sparsekv bench`."""
+    parent.add_typer(app, name="bench")
+
+
+def _print(result: dict, title: str) -> None:
+    table = Table(title=title)
+    for col in ("stage / kernel", "shape", "median us", "MB moved", "GB/s", "% copy BW"):
+        table.add_column(col, justify="left" if col in ("stage / kernel", "shape") else "right")
+    for r in result["rows"]:
+        table.add_row(
+            r["name"],
+            r["shape"],
+            f"{r['us']:.1f}",
+            f"{r['bytes'] / 1e6:.1f}",
+            f"{r['gbps']:.0f}",
+            f"{r.get('pct_copy', 0):.0f}",
+        )
+    console.print(table)
+
+
+def _write(result: dict, output: Path | None) -> None:
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2))
+        console.print(f"wrote {output}")
+
+
+@app.command()
+def kernels(
+    batch: Annotated[int, typer.Option(help="batch size")] = 8,
+    context: Annotated[int, typer.Option(help="tokens in the KV cache")] = 131072,
+    budget: Annotated[float, typer.Option(help="fraction (<1) or tokens")] = 0.02,
+    shape: Annotated[str, typer.Option(help="llama3-8b | default")] = "llama3-8b",
+    output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
+) -> None:
+    """Each kernel alone: median time, bytes, bandwidth vs copy, torch baselines."""
+    from sparsekv.bench.kernels import run_kernels
+
+    result = run_kernels(batch=batch, context=context, budget=budget, shape=shape)
+    _print(result, f"kernels on {result['device']} (copy {result['copy_gbps']:.0f} GB/s)")
+    _write(result, output)
+
+
+@app.command()
+def attention(
+    method: Annotated[
+        str, typer.Option(help="spotlight (128-bit codes) | lsh (1024-bit codes)")
+    ] = "spotlight",
+    batch: Annotated[int, typer.Option(help="batch size")] = 8,
+    context: Annotated[int, typer.Option(help="tokens in the KV cache")] = 131072,
+    budget: Annotated[float, typer.Option(help="fraction (<1) or tokens")] = 0.02,
+    shape: Annotated[str, typer.Option(help="llama3-8b | default")] = "llama3-8b",
+    graph: Annotated[bool, typer.Option(help="time CUDA graphs of each stage")] = True,
+    output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
+) -> None:
+    """Score + select + attend of one decode step vs dense SDPA, per stage."""
+    from sparsekv.bench.attention import run_attention
+
+    result = run_attention(
+        method=method, batch=batch, context=context, budget=budget, shape=shape, use_graph=graph
+    )
+    _print(
+        result,
+        f"{method} B{batch} N{context} budget {result['budget_tokens']} on {result['device']}: "
+        f"{result['speedup_vs_dense']:.1f}x vs dense (attend rel err {result['attend_rel_err']:.1e})",
+    )
+    _write(result, output)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,144 @@
+"""Per-kernel benchmark: median time, bytes moved, achieved bandwidth vs copy bandwidth, and torch baselines."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparsekv.bench.common import (
+    SHAPES,
+    Row,
+    copy_bandwidth_gbps,
+    device_name,
+    graph_us,
+    layers_for,
+    require_cuda,
+)
+
+
+def run_kernels(
+    batch: int = 8, context: int = 131072, budget: float = 0.02, shape: str = "llama3-8b"
+) -> dict:
+    from sparsekv.kernels import _hamming_triton as ham
+    from sparsekv.kernels import _topk_triton as tk
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    dev = require_cuda()
+    hq, hkv, d = SHAPES[shape]
+    g = hq // hkv
+    n = context
+    k = max(1, int(budget * n) if budget < 1 else int(budget))
+    bits, words = 128, 4
+    rows_kv = batch * hkv
+    out: list[Row] = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd_codes(*shape_):
+        return torch.randint(-(2**31), 2**31 - 1, shape_, device=dev, dtype=torch.int32, generator=gen)
+
+    # --- hamming scoring
+    code_bytes = rows_kv * n * words * 4
+    L = layers_for(code_bytes, dev)
+    qc = [rnd_codes(batch, hq, 1, words) for _ in range(L)]
+    kc = [rnd_codes(batch, hkv, n, words) for _ in range(L)]
+    out.append(
+        Row(
+            "hamming_scores (int32 out)",
+            f"B{batch} Hkv{hkv} N{n} 128b g{g}",
+            graph_us(lambda i: ham.hamming_scores_triton(qc[i], kc[i], bits=bits), L),
+            code_bytes + rows_kv * n * 4,
+        )
+    )
+    out.append(
+        Row(
+            "hamming score+histogram (int16 out)",
+            f"B{batch} Hkv{hkv} N{n} 128b g{g}",
+            graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
+            code_bytes + rows_kv * n * 2,
+        )
+    )
+    states = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
+    out.append(
+        Row(
+            "select from histogram (threshold+compact)",
+            f"{rows_kv} rows x {n}, k={k}",
+            graph_us(lambda i: ham.hamming_select(states[i], k), L),
+            rows_kv * n * 2 + rows_kv * k * 8,
+        )
+    )
+    int_scores = [st[0] for st in states]  # int16 [B, Hkv, 1, N]
+    out.append(
+        Row(
+            "select_topk int (hist+threshold+compact)",
+            f"{rows_kv} rows x {n} int16, k={k}",
+            graph_us(lambda i: tk.select_topk_int(int_scores[i], k, 0, g * bits), L),
+            2 * rows_kv * n * 2 + rows_kv * k * 8,
+        )
+    )
+    out.append(
+        Row(
+            "torch.topk int16 kv-head rows",
+            f"{rows_kv} rows x {n} int16, k={k}",
+            graph_us(lambda i: torch.topk(int_scores[i], k, dim=-1, sorted=False), L),
+            rows_kv * n * 2 + rows_kv * k * 10,
+        )
+    )
+    qc = kc = states = int_scores = None  # free the memory before the next section
+    # --- float selection over query-head rows (the oracle / generic path)
+    rows_q = batch * hq
+    fl_bytes = rows_q * n * 4
+    Lf = layers_for(fl_bytes, dev, cap=4)
+    fs = [torch.randn(batch, hq, 1, n, device=dev, generator=gen) for _ in range(Lf)]
+    out.append(
+        Row(
+            "select_topk float (3-level radix)",
+            f"{rows_q} rows x {n} fp32, k={k}",
+            graph_us(lambda i: tk.select_topk_float(fs[i], k), Lf),
+            4 * fl_bytes + rows_q * k * 8,
+        )
+    )
+    out.append(
+        Row(
+            "torch.topk fp32 q-head rows",
+            f"{rows_q} rows x {n} fp32, k={k}",
+            graph_us(lambda i: torch.topk(fs[i], k, dim=-1, sorted=False), Lf),
+            fl_bytes + rows_q * k * 12,
+        )
+    )
+    fs = None  # free the memory before the next section
+    # --- attention
+    dt = torch.bfloat16
+    kv_bytes = 2 * rows_kv * n * d * 2
+    La = 2
+    qs = [torch.randn(batch, hq, 1, d, device=dev, dtype=dt, generator=gen) for _ in range(La)]
+    ks = [torch.randn(batch, hkv, n, d, device=dev, dtype=dt, generator=gen) for _ in range(La)]
+    vs = [torch.randn(batch, hkv, n, d, device=dev, dtype=dt, generator=gen) for _ in range(La)]
+    idx = [torch.rand(batch, hkv, 1, n, device=dev, generator=gen).topk(k, dim=-1).indices for _ in range(La)]
+    ones = torch.ones(batch, hkv, 1, k, dtype=torch.bool, device=dev)
+    out.append(
+        Row(
+            "sparse_attention (split-K, GQA shared)",
+            f"B{batch} Hq{hq} Hkv{hkv} d{d} K{k}",
+            graph_us(lambda i: sparse_attention(qs[i], ks[i], vs[i], idx[i], ones, d**-0.5), La),
+            rows_kv * k * (2 * d * 2 + 8),
+        )
+    )
+    out.append(
+        Row(
+            "dense SDPA (enable_gqa)",
+            f"B{batch} Hq{hq} Hkv{hkv} d{d} N{n}",
+            graph_us(lambda i: F.scaled_dot_product_attention(qs[i], ks[i], vs[i], enable_gqa=True), La),
+            kv_bytes,
+        )
+    )
+    qs = ks = vs = None  # free the memory before the next section
+    copy = copy_bandwidth_gbps(dev)
+    return {
+        "device": device_name(),
+        "batch": batch,
+        "context": n,
+        "budget_tokens": k,
+        "shape": shape,
+        "copy_gbps": copy,
+        "rows": [r.to_dict(copy) for r in out],
+    }
