@@ -42,3 +42,15 @@ def needle_prompt(
         haystack = haystack_text()
     document = insert_needle(tokenizer, haystack, needle, context_tokens, depth)
     return f"{document}\n\nAnswer from the text above. {question}"
+
+
+def read_haystack_dir(folder) -> str:
+    """All .txt files of `folder` concatenated in sorted name order, separated by blank lines (like the essays)."""
+    from pathlib import Path
+
+    files = sorted(Path(folder).expanduser().glob("*.txt"), key=lambda p: p.name)
+    if not files:
+        from sparsekv.config import ConfigError
+
+        raise ConfigError(f"no .txt files in haystack dir {folder}")
+    return "\n\n".join(p.read_text(encoding="utf-8").strip() for p in files)

@@ -1,0 +1,453 @@
+"""`sparsekv eval ppl|niah|ruler|iou|fidelity|compare`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from sparsekv.cli import (
+    BudgetOpt,
+    DenseLayersOpt,
+    DeviceOpt,
+    DtypeOpt,
+    MethodOpt,
+    ModelOpt,
+    OptionOpt,
+    OutputOpt,
+    TopPOpt,
+    build_config,
+    console,
+    parse_options,
+    write_json,
+)
+from sparsekv.config import ConfigError
+
+eval_app = typer.Typer(no_args_is_help=True, add_completion=False,
+                       help="Offline evaluation: perplexity, needle in a haystack, RULER-style tasks, IoU, fidelity.")
+
+CacheDirOpt = Annotated[Optional[Path], typer.Option(help="per-cell result cache (default: <sparsekv cache>/eval)")]
+NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="recompute every cell and store nothing")]
+SinkOpt = Annotated[int, typer.Option(help="first tokens always kept")]
+LocalOpt = Annotated[int, typer.Option(help="most recent tokens always kept")]
+GqaOpt = Annotated[str, typer.Option(help="group (one selection per kv head) or head")]
+PlotOpt = Annotated[Optional[Path], typer.Option(help="PNG path (default: next to --output, same name)")]
+TextFileOpt = Annotated[Optional[Path], typer.Option(help="UTF-8 text to evaluate (default: the embedded essays)")]
+SeedOpt = Annotated[int, typer.Option(help="seed of generated data and of torch")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
+ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="apply the model's chat template to prompts")]
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(eval_app, name="eval")
+
+
+# ------------------------------------------------------------------------------------------------ parsing helpers
+
+
+def parse_ints(text: str, what: str) -> tuple[int, ...]:
+    """'500,1K,2k' -> (500, 1000, 2000)."""
+    values = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1000 if part.endswith("k") else 1
+        try:
+            values.append(int(float(part.rstrip("k")) * scale))
+        except ValueError:
+            raise ConfigError(f"{what} expects comma-separated token counts like 500,1K,2K, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{what} needs at least one value")
+    return tuple(values)
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """Fractions '0,0.5,1' or percents '0,50,100' (read as percents when any value is > 1)."""
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ConfigError(f"--depths expects comma-separated fractions or percents, got {text!r}") from None
+    if not values:
+        raise ConfigError("--depths needs at least one value")
+    if any(v > 1 for v in values):
+        values = [v / 100 for v in values]
+    return tuple(values)
+
+
+def parse_budgets(text: str) -> list[int | float]:
+    from sparsekv.cli import parse_budget
+
+    budgets = [parse_budget(p.strip()) for p in text.split(",") if p.strip()]
+    if not budgets:
+        raise ConfigError("--budgets needs at least one value")
+    return budgets
+
+
+def result_cache(cache_dir: Path | None, no_cache: bool):
+    from sparsekv.eval.common import ResultCache, default_cache_dir
+
+    return ResultCache(None if no_cache else (cache_dir or default_cache_dir()))
+
+
+def handle(model: str, device: str, dtype: str):
+    from sparsekv.eval.common import ModelHandle
+
+    return ModelHandle(spec=model, device=device, dtype=dtype)
+
+
+def plot_path(plot: Path | None, output: Path | None, suffix: str = ".png") -> Path | None:
+    if plot is not None:
+        return plot
+    return output.with_suffix(suffix) if output is not None else None
+
+
+def read_text(path: Path | None) -> tuple[str | None, str]:
+    if path is None:
+        return None, "haystack"
+    if not path.is_file():
+        raise ConfigError(f"text file {path} does not exist")
+    return path.read_text(encoding="utf-8"), path.name
+
+
+def _fmt(value, spec: str = "{:.3f}") -> str:
+    return "-" if value is None else spec.format(value)
+
+
+# ------------------------------------------------------------------------------------------------ commands
+
+
+@eval_app.command()
+def ppl(
+    model: ModelOpt = "default",
+    method: MethodOpt = "dense",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: SinkOpt = 0,
+    local: LocalOpt = 0,
+    gqa: GqaOpt = "group",
+    option: OptionOpt = None,
+    text_file: TextFileOpt = None,
+    context: Annotated[int, typer.Option(help="tokens per window")] = 4096,
+    prefix: Annotated[int, typer.Option(help="tokens prefilled densely; the rest are decoded sparsely")] = 512,
+    chunk: Annotated[int, typer.Option(help="tokens per decode chunk (speed only: results are identical)")] = 256,
+    windows: Annotated[int, typer.Option(help="consecutive windows of the text")] = 1,
+    start: Annotated[int, typer.Option(help="token offset of the first window")] = 0,
+    with_dense: Annotated[bool, typer.Option("--with-dense", help="also report the dense perplexity")] = False,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    quiet: QuietOpt = False,
+    output: OutputOpt = None,
+) -> None:
+    """Decode-faithful perplexity: dense prefill of --prefix tokens, sparse attention for every later token."""
+    from sparsekv.eval.ppl import PplSettings, run_ppl
+
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    text, name = read_text(text_file)
+    settings = PplSettings(context=context, prefix=prefix, chunk=chunk, windows=windows, start=start)
+    payload = run_ppl(handle(model, device, dtype), config, settings, text=text, text_name=name,
+                      with_dense=with_dense, cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    table = Table("method", "ppl", "dense ppl", "tokens scored", "avg tokens attended", "tokens/s")
+    table.add_row(config.method, f"{payload['ppl']:.3f}", _fmt(payload.get("dense_ppl")), str(payload["tokens"]),
+                  _fmt(payload["avg_budget_tokens"], "{:.1f}"), _fmt(payload["tokens_per_second"], "{:.1f}"))
+    console.print(table)
+    write_json(output, payload)
+
+
+@eval_app.command()
+def niah(
+    model: ModelOpt = "default",
+    method: MethodOpt = "dense",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: SinkOpt = 0,
+    local: LocalOpt = 0,
+    gqa: GqaOpt = "group",
+    option: OptionOpt = None,
+    lengths: Annotated[str, typer.Option(help="context lengths in tokens, e.g. 500,1K,2K,3K")] = "500,1000,2000,3000",
+    depths: Annotated[str, typer.Option(help="needle depths: fractions 0,0.5,1 or percents 0,50,100")] = "0,0.25,0.5,0.75,1",
+    needle: Annotated[Optional[str], typer.Option(help="the needle sentence")] = None,
+    question: Annotated[Optional[str], typer.Option(help="the question about the needle")] = None,
+    keywords: Annotated[Optional[str], typer.Option(help="comma-separated keywords an answer must contain")] = None,
+    scorer: Annotated[str, typer.Option(help="keyword-recall or rougeL-recall")] = "keyword-recall",
+    haystack_dir: Annotated[Optional[Path], typer.Option(help="folder of .txt files (default: the essays)")] = None,
+    max_new_tokens: int = 32,
+    chat: ChatOpt = True,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    quiet: QuietOpt = False,
+    output: OutputOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Needle in a haystack over context lengths x depths; greedy answers, per-cell score, heatmap PNG."""
+    from sparsekv.eval.haystack import NEEDLE, QUESTION, read_haystack_dir
+    from sparsekv.eval.niah import NiahSettings, run_niah
+    from sparsekv.eval.plots import niah_heatmap
+
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    settings = NiahSettings(
+        lengths=parse_ints(lengths, "--lengths"), depths=parse_depths(depths), needle=needle or NEEDLE,
+        question=question or QUESTION,
+        keywords=tuple(k.strip() for k in keywords.split(",") if k.strip()) if keywords else (),
+        scorer=scorer, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
+    )  # fmt: skip
+    hay, hay_name = (read_haystack_dir(haystack_dir), str(haystack_dir)) if haystack_dir else (None, "paul-graham-essays")
+    payload = run_niah(handle(model, device, dtype), config, settings, haystack=hay, haystack_name=hay_name,
+                       cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    table = Table("length", *[f"{100 * d:.0f}%" for d in settings.depths], "mean")
+    for n in settings.lengths:
+        row = [c for c in payload["cells"] if c["length"] == n]
+        table.add_row(str(n), *[f"{c['score']:.2f}" for c in row], _fmt(payload["score_by_length"][str(n)], "{:.2f}"))
+    console.print(table)
+    console.print(f"[{config.method}] mean {payload['scorer']}: {payload['score']:.3f}; avg tokens attended "
+                  f"{_fmt(payload['avg_budget_tokens'], '{:.1f}')}", markup=False)  # fmt: skip
+    png = plot_path(plot, output)
+    if png is not None:
+        payload["plot"] = str(niah_heatmap(payload, png))
+    write_json(output, payload)
+
+
+@eval_app.command()
+def ruler(
+    model: ModelOpt = "default",
+    method: MethodOpt = "dense",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: SinkOpt = 0,
+    local: LocalOpt = 0,
+    gqa: GqaOpt = "group",
+    option: OptionOpt = None,
+    tasks: Annotated[str, typer.Option(help="comma-separated tasks")] = (
+        "niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words,freq_words"),
+    lengths: Annotated[str, typer.Option(help="prompt lengths in tokens, e.g. 1K,2K")] = "1000,2000",
+    samples: Annotated[int, typer.Option(help="samples per task and length")] = 4,
+    seed: SeedOpt = 0,
+    chat: ChatOpt = True,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    quiet: QuietOpt = False,
+    output: OutputOpt = None,
+) -> None:
+    """RULER-style tasks generated locally from --seed, scored exactly (string_match_all)."""
+    from sparsekv.eval.ruler import run_ruler
+
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
+    length_list = parse_ints(lengths, "--lengths")
+    payload = run_ruler(handle(model, device, dtype), config, tasks=task_list, lengths=length_list,
+                        samples=samples, seed=seed, chat=chat, cache=result_cache(cache_dir, no_cache),
+                        quiet=quiet)  # fmt: skip
+    table = Table("task", *[str(n) for n in length_list], "mean")
+    for task in task_list:
+        by_length = payload["score_by_task_length"][task]
+        table.add_row(task, *[_fmt(by_length[str(n)]) for n in length_list], _fmt(payload["score_by_task"][task]))
+    table.add_row("all", *["" for _ in length_list], _fmt(payload["score"]))
+    console.print(table)
+    write_json(output, payload)
+
+
+@eval_app.command()
+def iou(
+    model: ModelOpt = "default",
+    method: MethodOpt = "oracle-topk",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: SinkOpt = 0,
+    local: LocalOpt = 0,
+    gqa: GqaOpt = "group",
+    option: OptionOpt = None,
+    text_file: TextFileOpt = None,
+    context: Annotated[int, typer.Option(help="tokens per window")] = 2048,
+    queries: Annotated[int, typer.Option(help="last tokens of each window whose selections are compared")] = 64,
+    windows: Annotated[int, typer.Option(help="consecutive windows of the text")] = 1,
+    start: Annotated[int, typer.Option(help="token offset of the first window")] = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    quiet: QuietOpt = False,
+    output: OutputOpt = None,
+    plot: PlotOpt = None,
+) -> None:
+    """Per layer/head IoU and recall of the method's top-k vs the oracle top-k at the same budget, on real text."""
+    from sparsekv.eval.iou import IouSettings, run_iou
+    from sparsekv.eval.plots import iou_map
+
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    text, name = read_text(text_file)
+    settings = IouSettings(context=context, queries=queries, windows=windows, start=start)
+    payload = run_iou(handle(model, device, dtype), config, settings, text=text, text_name=name,
+                      cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    table = Table("layer", "iou", "recall", "attention mass kept", "oracle mass")
+    for layer, value in enumerate(payload["iou_per_layer"]):
+        if value is None:
+            table.add_row(str(layer), "dense", "", "", "")
+            continue
+        table.add_row(str(layer), f"{value:.3f}", f"{payload['recall_per_layer'][layer]:.3f}",
+                      f"{payload['mass_per_layer'][layer]:.3f}", f"{payload['oracle_mass_per_layer'][layer]:.3f}")
+    table.add_row("mean", _fmt(payload["mean_iou"]), _fmt(payload["mean_recall"]), _fmt(payload["mean_mass"]),
+                  _fmt(payload["mean_oracle_mass"]))
+    console.print(table)
+    png = plot_path(plot, output)
+    if png is not None and payload["mean_iou"] is not None:
+        payload["plot"] = str(iou_map(payload, png))
+    write_json(output, payload)
+
+
+@eval_app.command()
+def fidelity(
+    model: ModelOpt = "default",
+    method: MethodOpt = "oracle-topk",
+    budget: BudgetOpt = "0.1",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: SinkOpt = 0,
+    local: LocalOpt = 0,
+    gqa: GqaOpt = "group",
+    option: OptionOpt = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(help=".jsonl/.json/.txt prompts (default: essay passages)")] = None,
+    samples: Annotated[int, typer.Option(help="default prompts: how many passages")] = 4,
+    context: Annotated[int, typer.Option(help="default prompts: tokens per passage")] = 1000,
+    max_new_tokens: int = 48,
+    chat: ChatOpt = True,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    quiet: QuietOpt = False,
+    output: OutputOpt = None,
+) -> None:
+    """Rouge-L (F) of the method's greedy output vs the dense model's greedy output, per prompt and mean."""
+    from sparsekv.eval.fidelity import read_prompts, run_fidelity
+
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    prompts = read_prompts(prompts_file) if prompts_file else None
+    payload = run_fidelity(handle(model, device, dtype), config, prompts=prompts,
+                           prompts_name=str(prompts_file) if prompts_file else "haystack passages", samples=samples,
+                           context=context, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
+                           cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    table = Table("#", "rougeL vs dense", "identical", f"{config.method} output")
+    for cell in payload["cells"]:
+        table.add_row(str(cell["index"]), f"{cell['rougeL']:.3f}", "yes" if cell["exact"] else "no",
+                      cell["output"].strip()[:80])
+    console.print(table)
+    console.print(f"mean Rouge-L {payload['rougeL']:.3f}, identical {payload['exact']:.2f}", markup=False)
+    write_json(output, payload)
+
+
+@eval_app.command()
+def compare(
+    task: Annotated[str, typer.Option(help="ppl, niah, iou, ruler or fidelity")] = "ppl",
+    methods: Annotated[str, typer.Option(help="comma-separated methods (unregistered ones are reported)")] = (
+        "dense,oracle-topk,quest,lsh,spotlight,twilight,self-index,streaming"),
+    budgets: Annotated[str, typer.Option(help="comma-separated budgets: fractions or token counts")] = "0.02,0.1",
+    model: ModelOpt = "default",
+    top_p: TopPOpt = None,
+    dense_layers: DenseLayersOpt = "0,1",
+    sink: SinkOpt = 0,
+    local: LocalOpt = 0,
+    gqa: GqaOpt = "group",
+    option: Annotated[Optional[list[str]], typer.Option(
+        "--option", "-o", help="key=value for every method that has the option, or method:key=value")] = None,
+    text_file: TextFileOpt = None,
+    context: Annotated[Optional[int], typer.Option(help="ppl/iou window tokens; fidelity passage tokens")] = None,
+    prefix: Annotated[int, typer.Option(help="ppl: dense prefix tokens")] = 512,
+    chunk: Annotated[int, typer.Option(help="ppl: decode chunk")] = 256,
+    windows: Annotated[int, typer.Option(help="ppl/iou: windows")] = 1,
+    queries: Annotated[int, typer.Option(help="iou: compared queries per window")] = 64,
+    lengths: Annotated[Optional[str], typer.Option(help="niah/ruler: lengths")] = None,
+    depths: Annotated[str, typer.Option(help="niah: depths")] = "0,0.25,0.5,0.75,1",
+    ruler_tasks: Annotated[str, typer.Option(help="ruler: tasks")] = (
+        "niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words,freq_words"),
+    samples: Annotated[int, typer.Option(help="ruler: samples per task/length; fidelity: passages")] = 4,
+    prompts_file: Annotated[Optional[Path], typer.Option(help="fidelity: prompts file")] = None,
+    seed: SeedOpt = 0,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    cache_dir: CacheDirOpt = None,
+    no_cache: NoCacheOpt = False,
+    quiet: QuietOpt = False,
+    output: OutputOpt = None,
+    markdown: Annotated[Optional[Path], typer.Option(help="markdown table (default: next to --output, .md)")] = None,
+    plot: PlotOpt = None,
+) -> None:
+    """One task over methods x budgets: a markdown table and a budget-quality plot."""
+    from sparsekv.eval import compare as cmp
+
+    method_list = [m.strip() for m in methods.split(",") if m.strip()]
+    budget_list = parse_budgets(budgets)
+    base = {"top_p": top_p, "dense_layers": tuple(int(x) for x in dense_layers.split(",") if x.strip()),
+            "sink": sink, "local": local, "gqa": gqa}  # fmt: skip
+    runner, settings_note = _task_runner(task, model, device, dtype, result_cache(cache_dir, no_cache), text_file,
+                                         context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
+                                         samples, prompts_file, seed)  # fmt: skip
+    result = cmp.run_compare(task, runner, method_list, budget_list, base=base, options=parse_options(option),
+                             quiet=quiet)  # fmt: skip
+    table = cmp.markdown_table(result)
+    console.print(table, markup=False, highlight=False)
+    payload = {**result.to_dict(), "model": model, "settings": settings_note, "markdown": table}
+    md = plot_path(markdown, output, ".md")
+    if md is not None:
+        md.parent.mkdir(parents=True, exist_ok=True)
+        md.write_text(f"{cmp.TASK_SPECS[task].label} on {model}; {settings_note}\n\n{table}")
+        payload["markdown_file"] = str(md)
+    png = plot_path(plot, output)
+    if png is not None:
+        payload["plot"] = str(cmp.plot(result, png, f"{cmp.TASK_SPECS[task].label}, {model}: {settings_note}"))
+    write_json(output, payload)
+
+
+def _task_runner(task, model, device, dtype, cache, text_file, context, prefix, chunk, windows, queries, lengths,
+                 depths, ruler_tasks, samples, prompts_file, seed):  # fmt: skip
+    h = handle(model, device, dtype)
+    if task == "ppl":
+        from sparsekv.eval.ppl import PplSettings, run_ppl
+
+        text, name = read_text(text_file)
+        settings = PplSettings(context=context or 4096, prefix=prefix, chunk=chunk, windows=windows)
+        note = f"{name}, {settings.windows} window(s) of {settings.context} tokens, dense prefix {prefix}"
+        return (lambda config: run_ppl(h, config, settings, text=text, text_name=name, cache=cache)), note
+    if task == "niah":
+        from sparsekv.eval.niah import NiahSettings, run_niah
+
+        settings = NiahSettings(lengths=parse_ints(lengths or "500,1000,2000", "--lengths"),
+                                depths=parse_depths(depths), seed=seed)  # fmt: skip
+        note = f"lengths {list(settings.lengths)}, depths {list(settings.depths)}, {settings.scorer}"
+        return (lambda config: run_niah(h, config, settings, cache=cache)), note
+    if task == "iou":
+        from sparsekv.eval.iou import IouSettings, run_iou
+
+        text, name = read_text(text_file)
+        settings = IouSettings(context=context or 2048, queries=queries, windows=windows)
+        note = f"{name}, {settings.windows} window(s) of {settings.context} tokens, last {queries} queries"
+        return (lambda config: run_iou(h, config, settings, text=text, text_name=name, cache=cache)), note
+    if task == "ruler":
+        from sparsekv.eval.ruler import run_ruler
+
+        task_list = tuple(t.strip() for t in ruler_tasks.split(",") if t.strip())
+        length_list = parse_ints(lengths or "1000,2000", "--lengths")
+        note = f"tasks {','.join(task_list)}, lengths {list(length_list)}, {samples} samples, seed {seed}"
+        return (lambda config: run_ruler(h, config, tasks=task_list, lengths=length_list, samples=samples,
+                                         seed=seed, cache=cache)), note  # fmt: skip
+    if task == "fidelity":
+        from sparsekv.eval.fidelity import read_prompts, run_fidelity
+
+        prompts = read_prompts(prompts_file) if prompts_file else None
+        note = f"{prompts_file or 'essay passages'}, {samples} prompts, seed {seed}"
+        return (lambda config: run_fidelity(h, config, prompts=prompts, samples=samples, context=context or 1000,
+                                            seed=seed, cache=cache)), note  # fmt: skip
+    raise ConfigError(f"compare supports tasks ppl, niah, iou, ruler, fidelity; got {task!r}")

@@ -1,0 +1,274 @@
+"""What every evaluation task shares: lazy model loading, config keys, the per-cell result cache, progress."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sparsekv.config import SparseConfig
+from sparsekv.registry import TOP_P_PRUNER, get_method_class
+
+#: bump when a task's protocol changes so that cached cells of the old protocol are not reused
+PROTOCOL_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------------ model handle
+
+
+@dataclass
+class ModelHandle:
+    """A model spec that loads on first use, so fully cached runs never pay for loading the model.
+
+    Pass `model`/`tokenizer` to wrap objects already in memory (tests, notebooks); `name` then keys the cache.
+    """
+
+    spec: str = "default"
+    device: str = "cpu"
+    dtype: str = "float32"
+    model: Any = None
+    tokenizer: Any = None
+    name: str | None = None
+
+    def get(self) -> tuple[Any, Any]:
+        if self.model is None:
+            from sparsekv.cli import load
+
+            self.model, self.tokenizer = load(self.spec, self.device, self.dtype)
+        return self.model, self.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            self.get()
+        return self.tokenizer
+
+    @property
+    def key(self) -> dict:
+        """Identifies the model in cache keys: the spec plus, for local files/dirs, their size and mtime."""
+        if self.name is not None:
+            return {"model": self.name, "dtype": self.dtype}
+        path = Path(self.spec).expanduser()
+        stamp = None
+        if path.exists():
+            files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+            stamp = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in files]
+        return {"model": self.spec, "dtype": self.dtype, "files": stamp}
+
+
+# ------------------------------------------------------------------------------------------------ config keys
+
+
+def _source_digest(target: str | type) -> str:
+    try:
+        if isinstance(target, str):
+            from sparsekv.registry import load
+
+            target = load(target)
+        text = Path(inspect.getsourcefile(target)).read_bytes()
+    except (OSError, TypeError, ModuleNotFoundError, AttributeError):
+        return "unavailable"
+    return hashlib.sha256(text).hexdigest()[:12]
+
+
+def is_dense(config: SparseConfig) -> bool:
+    return bool(get_method_class(config.method).dense)
+
+
+def config_key(config: SparseConfig) -> dict:
+    """A JSON-able identity of a config, including a digest of the method's source file (and of the top-p
+    pruner's when it is used), so an edited method never reuses stale cached cells. A dense config reduces to
+    {"method": "dense"}: its budget and options change nothing."""
+    cls = get_method_class(config.method)
+    if cls.dense:
+        return {"method": config.method}
+    key = {
+        "method": config.method,
+        "budget": config.budget,
+        "top_p": config.top_p,
+        "dense_layers": list(config.dense_layers),
+        "sink": config.sink,
+        "local": config.local,
+        "gqa": config.gqa,
+        "options": {k: config.options[k] for k in sorted(config.options)},
+        "source": _source_digest(cls),
+    }
+    if config.top_p is not None and not cls.consumes_top_p:
+        key["pruner_source"] = _source_digest(TOP_P_PRUNER)
+    return key
+
+
+def describe(config: SparseConfig) -> str:
+    """Short human label: 'quest@0.02', 'twilight@0.25 p=0.9', 'dense'."""
+    if is_dense(config):
+        return config.method
+    budget = config.budget
+    label = f"{config.method}@{budget:g}" if isinstance(budget, float) else f"{config.method}@{budget}"
+    if config.top_p is not None:
+        label += f" p={config.top_p:g}"
+    if config.options:
+        label += " " + ",".join(f"{k}={v}" for k, v in sorted(config.options.items()))
+    return label
+
+
+def config_dict(config: SparseConfig) -> dict:
+    """What the JSON outputs report about a config."""
+    return {
+        "method": config.method,
+        "budget": None if is_dense(config) else config.budget,
+        "top_p": config.top_p,
+        "dense_layers": list(config.dense_layers),
+        "sink": config.sink,
+        "local": config.local,
+        "gqa": config.gqa,
+        "options": dict(config.options),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ result cache
+
+
+def default_cache_dir() -> Path:
+    from sparsekv.assets import cache_dir
+
+    return cache_dir() / "eval"
+
+
+def digest(payload: Any) -> str:
+    text = json.dumps(payload, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+@dataclass
+class ResultCache:
+    """One JSON file per evaluated cell under root/<task>/<digest of its key>.json; root None disables it.
+
+    A cell is written atomically when it finishes, so an interrupted run resumes at the first missing cell.
+    """
+
+    root: Path | None
+    hits: int = 0
+    misses: int = 0
+
+    def path(self, task: str, key: dict) -> Path | None:
+        if self.root is None:
+            return None
+        return self.root / task / f"{digest({'protocol': PROTOCOL_VERSION, 'task': task, **key})}.json"
+
+    def get(self, task: str, key: dict) -> dict | None:
+        path = self.path(task, key)
+        if path is None or not path.is_file():
+            self.misses += 1
+            return None
+        try:
+            result = json.loads(path.read_text())["result"]
+        except (OSError, ValueError, KeyError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return result
+
+    def put(self, task: str, key: dict, result: dict) -> None:
+        path = self.path(task, key)
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": key, "result": result}, indent=1, default=str) + "\n")
+        tmp.replace(path)
+
+    def cached(self, task: str, key: dict, compute: Callable[[], dict]) -> dict:
+        hit = self.get(task, key)
+        if hit is not None:
+            return hit
+        result = compute()
+        self.put(task, key, result)
+        return result
+
+
+NO_CACHE = ResultCache(None)
+
+
+# ------------------------------------------------------------------------------------------------ misc
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def sample_rng(*parts: Any) -> random.Random:
+    """A random.Random seeded from the parts' text (stable across runs and Python hash seeds)."""
+    return random.Random(":".join(str(p) for p in parts))
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def weighted_budget(parts: list[tuple[float | None, int]]) -> float | None:
+    """Mean of per-run avg budgets weighted by their row counts (None entries are dense runs)."""
+    total = sum(n for b, n in parts if b is not None)
+    if total == 0:
+        return None
+    return sum(b * n for b, n in parts if b is not None) / total
+
+
+@dataclass
+class Progress:
+    """A rich progress bar (or nothing when quiet); `advance(label)` after each cell."""
+
+    total: int
+    description: str
+    quiet: bool = False
+    _progress: Any = field(default=None, init=False)
+    _task: Any = field(default=None, init=False)
+
+    def __enter__(self) -> Progress:
+        if not self.quiet:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            from sparsekv.cli import console
+
+            self._progress = RichProgress(
+                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[label]}"),
+                console=console, transient=False,
+            )  # fmt: skip
+            self._progress.__enter__()
+            self._task = self._progress.add_task(self.description, total=self.total, label="")
+        return self
+
+    def label(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, label=text)
+
+    def advance(self, text: str = "") -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, label=text)
+
+    def __exit__(self, *exc) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def timer() -> Iterator[list[float]]:
+    box = [0.0]
+    start = time.perf_counter()
+    try:
+        yield box
+    finally:
+        box[0] = time.perf_counter() - start

@@ -1,0 +1,164 @@
+"""Runs one task over several methods and budgets: JSON, a markdown table and a budget-quality plot.
+
+Methods that are not registered in this build are listed as missing; a method that fails on a cell (bad option,
+missing checkpoint...) is reported with its error and the run goes on. Dense-type methods run once: their value
+fills every budget column. Each cell is cached like the single-task commands, so a rerun only computes what changed.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.eval.common import Progress, describe
+from sparsekv.registry import available_methods, get_method_class, method_options
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    metric: str  # key of the headline value in the task payload
+    label: str
+    lower_is_better: bool
+    fmt: str
+
+
+TASK_SPECS = {
+    "ppl": TaskSpec("ppl", "perplexity", True, "{:.2f}"),
+    "niah": TaskSpec("score", "NIAH score", False, "{:.3f}"),
+    "ruler": TaskSpec("score", "RULER score (string_match_all)", False, "{:.3f}"),
+    "iou": TaskSpec("mean_iou", "IoU vs oracle top-k", False, "{:.3f}"),
+    "fidelity": TaskSpec("rougeL", "Rouge-L F vs dense output", False, "{:.3f}"),
+}
+
+
+def split_options(items: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """{'bits': 256, 'lsh:bits': 512} -> ({'bits': 256}, {'lsh': {'bits': 512}}): unscoped keys go to every
+    method that has that option, 'method:key' only to that method (and wins)."""
+    shared, scoped = {}, {}
+    for key, value in items.items():
+        method, sep, name = key.partition(":")
+        if sep:
+            scoped.setdefault(method, {})[name] = value
+        else:
+            shared[key] = value
+    return shared, scoped
+
+
+def method_config(method: str, budget: int | float, base: dict, shared: dict, scoped: dict) -> SparseConfig:
+    accepted = method_options(method)
+    options = {k: v for k, v in shared.items() if k in accepted}
+    options.update(scoped.get(method, {}))
+    return SparseConfig(method=method, budget=budget, options=options, **base)
+
+
+@dataclass
+class CompareResult:
+    task: str
+    methods: list[str]
+    budgets: list[int | float]
+    missing: list[str]
+    rows: list[dict] = field(default_factory=list)  # {"method", "budget", "value", "avg_budget_tokens", "error"}
+    payloads: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"task": self.task, "metric": TASK_SPECS[self.task].metric, "methods": self.methods,
+                "budgets": self.budgets, "missing_methods": self.missing, "rows": self.rows,
+                "runs": self.payloads}  # fmt: skip
+
+
+def run_compare(
+    task: str,
+    run_task: Callable[[SparseConfig], dict],
+    methods: list[str],
+    budgets: list[int | float],
+    base: dict | None = None,
+    options: dict | None = None,
+    quiet: bool = True,
+) -> CompareResult:
+    """`run_task(config) -> payload` runs one cell (cached by the task itself)."""
+    if task not in TASK_SPECS:
+        raise ConfigError(f"compare supports tasks {', '.join(TASK_SPECS)}, got {task!r}")
+    if not methods or not budgets:
+        raise ConfigError("compare needs at least one method and one budget")
+    known = set(available_methods())
+    missing = [m for m in methods if m not in known]
+    present = [m for m in methods if m in known]
+    shared, scoped = split_options(options or {})
+    base = dict(base or {})
+    spec = TASK_SPECS[task]
+    result = CompareResult(task=task, methods=present, budgets=list(budgets), missing=missing)
+    jobs: list[tuple[str, int | float | None]] = []
+    for method in present:
+        dense = bool(get_method_class(method).dense)
+        jobs.extend([(method, None)] if dense else [(method, b) for b in budgets])
+    with Progress(len(jobs), f"compare {task}", quiet=quiet) as progress:
+        for method, budget in jobs:
+            row = {"method": method, "budget": budget, "value": None, "avg_budget_tokens": None, "error": None}
+            try:
+                config = method_config(method, budgets[0] if budget is None else budget, base, shared, scoped)
+                progress.label(describe(config))
+                payload = run_task(config)
+                row["value"] = payload.get(spec.metric)
+                row["avg_budget_tokens"] = payload.get("avg_budget_tokens")
+                row["avg_budget_fraction"] = payload.get("avg_budget_fraction")
+                result.payloads.append(payload)
+            except Exception as error:  # noqa: BLE001 - one failing method must not end the comparison
+                row["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+                if not isinstance(error, ConfigError):
+                    row["traceback"] = traceback.format_exc(limit=6)
+            result.rows.append(row)
+            progress.advance(f"{method}: {row['value'] if row['error'] is None else 'error'}")
+    return result
+
+
+def markdown_table(result: CompareResult) -> str:
+    """Methods x budgets; each cell 'value (tokens)' with the mean tokens attended per step in parentheses."""
+    spec = TASK_SPECS[result.task]
+    arrow = "lower is better" if spec.lower_is_better else "higher is better"
+    header = [f"method ({spec.label}, {arrow})"] + [_budget_label(b) for b in result.budgets]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in result.methods:
+        cells = []
+        for budget in result.budgets:
+            row = next((r for r in result.rows if r["method"] == method and r["budget"] in (budget, None)), None)
+            cells.append(_cell(row, spec))
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    notes = []
+    if result.missing:
+        notes.append(f"not registered in this build: {', '.join(result.missing)}")
+    for row in result.rows:
+        if row["error"]:
+            notes.append(f"{row['method']} @ {_budget_label(row['budget'])}: {row['error']}")
+    text = "\n".join(lines) + "\n"
+    if notes:
+        text += "\n" + "\n".join(f"- {n}" for n in notes) + "\n"
+    return text
+
+
+def _budget_label(budget) -> str:
+    if budget is None:
+        return "all"
+    return f"budget {100 * budget:g}%" if isinstance(budget, float) else f"budget {budget} tok"
+
+
+def _cell(row: dict | None, spec: TaskSpec) -> str:
+    if row is None:
+        return "-"
+    if row["error"]:
+        return "error"
+    if row["value"] is None:
+        return "n/a"
+    value = spec.fmt.format(row["value"])
+    tokens = row.get("avg_budget_tokens")
+    return value if tokens is None else f"{value} ({tokens:.0f} tok)"
+
+
+def plot(result: CompareResult, path, title: str):
+    from sparsekv.eval.plots import budget_curve
+
+    spec = TASK_SPECS[result.task]
+    return budget_curve(result.rows, path, spec.metric, title, lower_is_better=spec.lower_is_better)
+
