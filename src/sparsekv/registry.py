@@ -27,6 +27,7 @@ METHODS: dict[str, str] = {
     "lsh": "sparsekv.selectors.lsh:LSHSelector",
     "snapkv": "sparsekv.selectors.snapkv:SnapKVSelector",
     "h2o": "sparsekv.selectors.h2o:H2OSelector",
+    "double-sparsity": "sparsekv.selectors.double_sparsity:DoubleSparsitySelector",
 }
 
 #: the pruner used when a config sets top_p on a method that does not consume top_p itself

@@ -1,13 +1,13 @@
 """H2O (Heavy-Hitter Oracle): a fixed-size cache of heavy hitters plus a recent window, evicting for good.
 
-Each cached token carries its accumulated attention (the prompt's causal attention summed over all prompt queries,
-then every decode query's attention over what it attended). A query's cache holds `budget` tokens: sink/local
-tokens, the `recent_ratio * budget` most recent tokens, and the heaviest hitters for the rest. When a new token
-makes the cache overflow, the lightest non-recent token is evicted and never returns. The first decode query
-shrinks the full prompt to the budget in one go.
+Each cached token carries its accumulated attention (the prompt's causal attention summed over all prompt
+queries, then every decode query's attention over what it attended). A query's cache holds `budget` tokens:
+sink/local tokens, the `recent_ratio * budget` most recent tokens, and the heaviest hitters for the rest. When
+a new token makes the cache overflow, the lightest non-recent token is evicted and never returns. The first
+decode query shrinks the full prompt to the budget in one go.
 
-Decode queries are processed one after another (each one's accumulated attention decides the next eviction), so a
-chunk gives exactly what token-by-token decoding gives.
+Decode queries are processed one after another (each one's accumulated attention decides the next eviction),
+so a chunk gives exactly what token-by-token decoding gives.
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from sparsekv.selectors.snapkv import prompt_attention
 _RECENT, _FORCED = 2.0**50, 2.0**51
 
 
-def keep_mask(
-    priority: torch.Tensor, budget: torch.Tensor
-) -> torch.Tensor:
+def keep_mask(priority: torch.Tensor, budget: torch.Tensor) -> torch.Tensor:
     """[B, S, N] -> bool mask of the `budget[b]` highest priorities per row (ties: earlier position first)."""
     order = torch.argsort(priority, dim=-1, descending=True, stable=True)
     ranks = torch.empty_like(order)
@@ -83,7 +81,7 @@ class H2OSelector(TokenSelector):
         return to_selection_heads(weights[:, :, None], step)[:, :, 0]
 
     def select(self, step: DecodeStep) -> Selection:
-        batch, _, q_len, _ = step.query.shape
+        q_len = step.query.shape[2]
         n = step.keys.shape[-2]
         heads = step.selection_heads
         self._grow(n, step.keys, heads)

@@ -1,10 +1,11 @@
 """Linear LSH (MagicPIG-style): sign random projections of q and k, score = matching bits.
 
-The training-free baseline of the Spotlight paper: R is a random Gaussian matrix (SimHash) or a stack of random
-rotations (QR of a Gaussian, first column flipped when det < 0, Spotlight appendix A.5). Keys may be centred by
-the prompt's mean key first (MagicPIG), which removes the shared "cone" direction that otherwise sets most bits
-alike for every key. Codes are packed 32 bits per int32 word and scored with `kernels.hamming` (XNOR + popcount,
-summed over each kv-head's query group), the same path the Spotlight selector uses for its learned codes.
+The training-free baseline of the Spotlight paper: R is a random Gaussian matrix (SimHash) or a stack of
+random rotations (QR of a Gaussian, first column flipped when det < 0, Spotlight appendix A.5). Keys may be
+centred by the prompt's mean key first (MagicPIG), which removes the shared "cone" direction that otherwise
+sets most bits alike for every key. Codes are packed 32 bits per int32 word and scored with `kernels.hamming`
+(XNOR + popcount, summed over each kv-head's query group), the same path the Spotlight selector uses for its
+learned codes.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ MAX_BITS = 4096
 def unique_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Float ranks (0 = lowest) of each row's scores, ties broken towards later positions.
 
-    Hamming scores are small integers, so ties are the rule; `torch.topk` would then pick among them depending on
-    k and tensor shape, which breaks chunked == token-by-token and batch invariance. Exact as float32 below 2**24
-    keys per row.
+    Hamming scores are small integers, so ties are the rule; `torch.topk` would then pick among them depending
+    on k and tensor shape, which breaks chunked == token-by-token and batch invariance. Exact as float32 below
+    2**24 keys per row.
     """
     order = torch.argsort(scores, dim=-1, stable=True)
     ranks = torch.empty_like(order)
@@ -36,7 +37,8 @@ def unique_ranks(scores: torch.Tensor) -> torch.Tensor:
 
 
 def projection_matrix(dim: int, bits: int, variant: str = "simhash", seed: int = 0) -> torch.Tensor:
-    """[dim, bits] float32 hash projection (CPU generator, so the same seed gives the same codes on any device)."""
+    """[dim, bits] float32 hash projection (CPU generator, so the same seed gives the same codes on any
+    device)."""
     if variant not in LSH_VARIANTS:
         raise ConfigError(f"lsh variant must be one of {', '.join(LSH_VARIANTS)}, got {variant!r}")
     generator = torch.Generator().manual_seed(seed)
@@ -58,14 +60,18 @@ def hash_codes(x: torch.Tensor, projection: torch.Tensor) -> torch.Tensor:
     return pack_sign_bits(torch.matmul(x.float(), projection))
 
 
-def code_scores(query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep) -> torch.Tensor:
+def code_scores(
+    query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep
+) -> torch.Tensor:
     """Matching bits per selection head: [B, Hkv, Q, N] (group: summed over the group) or [B, Hq, Q, N]."""
     if step.gqa == "group":
         return hamming_scores(query_codes, key_codes, bits=bits)
     return hamming_scores(query_codes, key_codes.repeat_interleave(step.layer.group_size, dim=1), bits=bits)
 
 
-def code_selection(query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep) -> Selection:
+def code_selection(
+    query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep
+) -> Selection:
     """Top-budget keys by Hamming similarity, ties broken towards recent keys (deterministic)."""
     scores = to_selection_heads(code_scores(query_codes, key_codes, bits, step), step)
     return topk_selection(unique_ranks(scores), step)
@@ -108,7 +114,9 @@ class LSHSelector(TokenSelector):
     def check_config(cls, config) -> None:
         bits = config.options.get("bits", cls.bits)
         if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= MAX_BITS:
-            raise ConfigError(f"lsh bits must be an int in 1..{MAX_BITS} (e.g. 128, 256, 512, 1024), got {bits!r}")
+            raise ConfigError(
+                f"lsh bits must be an int in 1..{MAX_BITS} (e.g. 128, 256, 512, 1024), got {bits!r}"
+            )
         variant = config.options.get("variant", cls.variant)
         if variant not in LSH_VARIANTS:
             raise ConfigError(f"lsh variant must be one of {', '.join(LSH_VARIANTS)}, got {variant!r}")

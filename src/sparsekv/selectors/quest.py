@@ -1,9 +1,10 @@
 """Quest: page-level selection from per-page, per-channel key min/max (Tang et al., 2024).
 
 A page's score is an upper bound of q·k over its keys: sum_i max(q_i * max_i, q_i * min_i). Whole pages are
-taken best-first until the token budget is spent; the page holding the query is always attended (in a chunk its
-min/max may already include later tokens, so it is never scored). If the budget ends inside a page, the most
-recent tokens of that page fill the remainder, so the budget is met exactly and budget >= context is dense.
+taken best-first until the token budget is spent; the page holding the query is always attended (in a chunk
+its min/max may already include later tokens, so it is never scored). If the budget ends inside a page, the
+most recent tokens of that page fill the remainder, so the budget is met exactly and budget >= context is
+dense.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def page_scores(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Ten
 
 @dataclass
 class QuestSelector(TokenSelector):
-    """Option: page_size (16 as in the paper). Pages start at each sequence's first real token, so left padding
-    does not shift them (batch invariance)."""
+    """Option: page_size (16 as in the paper). Pages start at each sequence's first real token, so left
+    padding does not shift them (batch invariance)."""
 
     name = "quest"
     page_size: int = 16
@@ -88,7 +89,7 @@ class QuestSelector(TokenSelector):
         self.built = n
 
     def score(self, step: DecodeStep) -> torch.Tensor:
-        """[B, S, Q, N] ranking keys (higher = keep): query page first (recent first), then pages best-first."""
+        """[B, S, Q, N] ranking keys (higher = keep): own page (recent first), then pages best-first."""
         self._sync(step)
         n, q_len, size = step.keys.shape[-2], step.query.shape[2], self.page_size
         rel = torch.arange(n, device=step.keys.device)[None, :] - self.start[:, None]  # [B, N]

@@ -1,10 +1,11 @@
-"""SnapKV: a permanent-eviction baseline that decides which prompt tokens survive from the prompt's last queries.
+"""SnapKV: permanent eviction of prompt tokens, decided by the prompt's last queries.
 
-The last `window` prompt queries (the observation window) vote: their softmax attention over the earlier prompt
-tokens is summed per head, smoothed by 1-D pooling (kernel 5) so that neighbours of a hit survive with it, and
-ranked. The cache then holds `budget` tokens: the most recent ones (the observation window, then every generated
-token, newest first) and the best-voted rest of the prompt. Each generated token displaces the weakest prompt
-token once the budget is full, and nothing evicted comes back: the scores never change after the prompt.
+The last `window` prompt queries (the observation window) vote: their softmax attention over the earlier
+prompt tokens is summed per head, smoothed by 1-D pooling (kernel 5) so that neighbours of a hit survive with
+it, and ranked. The cache then holds `budget` tokens: the most recent ones (the observation window, then every
+generated token, newest first) and the best-voted rest of the prompt. Each generated token displaces the
+weakest prompt token once the budget is full, and nothing evicted comes back: the scores never change after
+the prompt.
 
 The eviction is a selection mask here (K/V stay in memory); its effect on quality is what this baseline shows.
 """
