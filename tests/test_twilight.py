@@ -95,7 +95,9 @@ def test_estimate_gathers_the_candidates_of_each_query_head():
     candidates = topk_selection(exact_weights(step), step)
     estimate = estimate_qk_reference(step.query, *pruner.quantized(), candidates.indices, 8)
     keys = step.keys.repeat_interleave(3, dim=1)
-    exact = torch.matmul(step.query, keys.transpose(-1, -2)).gather(-1, candidates.indices.repeat_interleave(3, 1))
+    exact = torch.matmul(step.query, keys.transpose(-1, -2)).gather(
+        -1, candidates.indices.repeat_interleave(3, 1)
+    )
     assert estimate.shape == (2, 6, 3, candidates.indices.shape[-1])
     torch.testing.assert_close(estimate.double(), exact, atol=0.3, rtol=0.05)
 
@@ -177,7 +179,9 @@ def test_estimated_kept_mass_reaches_p(gqa, bits):
     candidates = topk_selection(exact_weights(step), step)
     pruner = make_pruner(step, 0.85, bits=bits)
     keep, weights = pruner.keep_mask(step, candidates)
-    assert weights.shape == candidates.valid.shape == (2, step.selection_heads, 4, candidates.indices.shape[-1])
+    assert (
+        weights.shape == candidates.valid.shape == (2, step.selection_heads, 4, candidates.indices.shape[-1])
+    )
     assert ((weights * keep).sum(-1) >= 0.85 - 1e-5).all()
     pruned = pruner.prune(step, candidates)
     assert (pruned.counts() >= 1).all() and (pruned.counts() <= candidates.counts()).all()
@@ -284,3 +288,23 @@ def test_twilight_method_prunes_below_its_candidates_and_reports_budgets(tiny):
     assert len(layer["per_head_mean_kept"]) == tiny.config.num_key_value_heads
     summary = cache.stats.summary()
     assert summary["avg_budget_tokens"] == pytest.approx(report["mean_kept"])
+
+
+def test_references_agree_with_the_kernels_package():
+    kernels_top_p = pytest.importorskip("sparsekv.kernels.top_p")
+    kernels_qk = pytest.importorskip("sparsekv.kernels.int4_qk")
+    weights = random_weights(32, 100, seed=9, sharpness=2.0).float()
+    valid = torch.rand(32, 100, generator=torch.Generator().manual_seed(2)) < 0.9
+    # p = 0.9 only: at p = 0.5 / 0.99 the two differ on one row each (the kernels reference tests w >= mid but
+    # keeps w > low, so a bisection midpoint landing exactly on a weight drops it below p; its gap is absolute)
+    ours = top_p_threshold_reference(weights, valid, 0.9)
+    assert torch.equal(ours, kernels_top_p.top_p_threshold_reference(weights, valid, 0.9))
+    step = make_step(gqa="group", n=40, dtype=torch.float32)
+    pruner = make_pruner(step, 0.9, bits=4)
+    candidates = topk_selection(exact_weights(step), step)
+    codes, scale, zero = pruner.quantized()
+    theirs = kernels_qk.int4_qk_reference(step.query, codes, scale.float(), zero.float(), candidates.indices)
+    ours = estimate_qk_reference(step.query, codes, scale, zero, candidates.indices, 4)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    packed, _, _ = kernels_qk.quantize_int4(step.keys)
+    assert (packed.int() - codes.int()).abs().le(17).all()  # same layout (codes differ only by fp16 rounding)

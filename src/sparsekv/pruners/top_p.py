@@ -10,8 +10,9 @@ per token, codes packed 8/bits per byte), extended incrementally by `prefill`/`a
 3. finds, by bisection on a weight threshold (no sort), the smallest set with mass >= p (`top_p_threshold`),
 4. returns the kept candidates as a varlen `Selection` (forced sink/local tokens always kept).
 
-The two hot ops (`estimate_qk`, `top_p_threshold`) are plain-PyTorch references here; the kernels package takes them
-over where it provides `kernels.int4_qk.int4_qk` / `kernels.top_p.top_p_threshold` with the same semantics.
+The two hot ops (`estimate_qk`, `top_p_threshold`) have plain-PyTorch references here (the CPU path; the threshold
+reference also takes forced tokens and the stop gap); on CUDA they dispatch to `kernels.int4_qk.int4_qk` and
+`kernels.top_p.top_p_threshold`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ def quantize_keys(keys: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torc
     per_byte = 8 // bits
     head_dim = keys.shape[-1]
     if head_dim % per_byte:
-        raise ValueError(f"head_dim {head_dim} is not a multiple of {per_byte} ({bits}-bit codes packed per byte)")
+        raise ValueError(
+            f"head_dim {head_dim} is not a multiple of {per_byte} ({bits}-bit codes packed per byte)"
+        )
     x = keys.float()
     low, high = x.amin(-1), x.amax(-1)
     levels = 2**bits - 1
@@ -59,7 +62,9 @@ def quantize_keys(keys: torch.Tensor, bits: int = 4) -> tuple[torch.Tensor, torc
     return packed, scale, zero
 
 
-def dequantize_keys(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int = 4) -> torch.Tensor:
+def dequantize_keys(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int = 4
+) -> torch.Tensor:
     """Inverse of `quantize_keys`: float32 keys [..., N, d]."""
     per_byte = 8 // bits
     if per_byte > 1:
@@ -97,14 +102,16 @@ def estimate_qk_reference(
 
 
 def estimate_qk(query, codes, scale, zero, indices, bits: int = 4) -> torch.Tensor:
-    """Dispatch to the kernels package's INT4 q·K when present (4-bit only), else the reference."""
-    if bits == 4:
+    """On CUDA, 4-bit: `kernels.int4_qk.int4_qk` (same packing: element 2i in the low nibble of byte i).
+    Elsewhere the reference above, whose full-product path needs no [Q, K, d] gather of dequantized keys
+    (much cheaper for the long chunks of a CPU evaluation); both give q·K̂ of the same dequantized keys."""
+    if bits == 4 and query.is_cuda:
         try:
             from sparsekv.kernels.int4_qk import int4_qk
         except ImportError:
             pass
         else:
-            return int4_qk(query, codes, scale, zero, indices)
+            return int4_qk(query, codes, scale.float(), zero.float(), indices)
     return estimate_qk_reference(query, codes, scale, zero, indices, bits)
 
 
@@ -140,7 +147,10 @@ def top_p_threshold_reference(
     tolerance = eps * total
 
     def enough(t: torch.Tensor) -> torch.Tensor:
-        return forced_mass + torch.where(free > t, free, torch.zeros((), dtype=w.dtype)).sum(-1, keepdim=True) >= target
+        return (
+            forced_mass + torch.where(free > t, free, torch.zeros((), dtype=w.dtype)).sum(-1, keepdim=True)
+            >= target
+        )
 
     lo = torch.zeros_like(total)
     hi = free.amax(-1, keepdim=True)
@@ -161,18 +171,23 @@ def top_p_threshold_reference(
 
 
 def top_p_threshold(
-    weights: torch.Tensor, valid: torch.Tensor, p: float, forced: torch.Tensor | None = None,
+    weights: torch.Tensor,
+    valid: torch.Tensor,
+    p: float,
+    forced: torch.Tensor | None = None,
     eps: float = DEFAULT_EPS,
 ) -> torch.Tensor:
-    """Dispatch to the kernels package's top-p threshold when present, else the reference."""
-    try:
-        from sparsekv.kernels.top_p import top_p_threshold as kernel
-    except ImportError:
-        return top_p_threshold_reference(weights, valid, p, forced, eps)
-    keep = kernel(weights, valid, p)
-    if forced is not None:
-        keep = keep | (forced & valid)
-    return keep
+    """On CUDA: `kernels.top_p.top_p_threshold` (fixed gap 1e-5; forced tokens are added after the threshold,
+    their mass counted like any other token's). Elsewhere the reference above."""
+    if weights.is_cuda and p < 1 and eps == DEFAULT_EPS:
+        try:
+            from sparsekv.kernels.top_p import top_p_threshold as kernel
+        except ImportError:
+            pass
+        else:
+            keep = kernel(weights, valid, p)
+            return keep | (forced & valid) if forced is not None else keep
+    return top_p_threshold_reference(weights, valid, p, forced, eps)
 
 
 # ------------------------------------------------------------------------------------------ selections
@@ -194,7 +209,9 @@ def compact(selection: Selection, keep: torch.Tensor) -> Selection:
     return Selection(indices=indices[..., :width], valid=valid[..., :width])
 
 
-def candidate_weights(logits: torch.Tensor, selection: Selection, step: DecodeStep, scaling: float) -> torch.Tensor:
+def candidate_weights(
+    logits: torch.Tensor, selection: Selection, step: DecodeStep, scaling: float
+) -> torch.Tensor:
     """Softmax over each query head's candidates of q·k logits [B, Hq, Q, K], brought to the selection heads
     ([B, S, Q, K]; a group sums its heads' weights) and normalised to sum 1 per row."""
     layer = step.layer
@@ -292,7 +309,9 @@ class TopPPruner(Pruner):
 
     def keep_mask(self, step: DecodeStep, selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
         """(keep [B, S, Q, K] among the candidates, estimated normalised weights [B, S, Q, K])."""
-        weights = candidate_weights(self.estimate_logits(step, selection), selection, step, step.layer.scaling)
+        weights = candidate_weights(
+            self.estimate_logits(step, selection), selection, step, step.layer.scaling
+        )
         shape = weights.shape
         keep = top_p_threshold(
             weights.reshape(-1, shape[-1]),
@@ -372,8 +391,14 @@ def budget_report(cache, quantiles: tuple[float, ...] = (0.1, 0.25, 0.5, 0.75, 0
         all_frac.append(frac.flatten())
         per_step.append(kept.double().mean(0))
     if not layers:
-        return {"layers": {}, "mean_kept": None, "mean_candidates": None, "mean_fraction": None,
-                "quantiles_kept": {}, "per_step_mean_kept": []}
+        return {
+            "layers": {},
+            "mean_kept": None,
+            "mean_candidates": None,
+            "mean_fraction": None,
+            "quantiles_kept": {},
+            "per_step_mean_kept": [],
+        }
     kept = torch.cat(all_kept)
     steps = torch.stack(per_step).mean(0) if len({len(s) for s in per_step}) == 1 else torch.zeros(0)
     return {
