@@ -1,0 +1,302 @@
+"""Model loading: the embedded default model, GGUF files, local HF dirs, hub ids; random-weight models for tests.
+
+Every model comes back with SDPA attention, in eval mode, in the requested dtype and device.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from sparsekv.assets import _TMP_PREFIX, _remove_stale_tmp, cache_dir, default_model_file
+
+__all__ = [
+    "DEFAULT_MODEL_DIRNAME",
+    "MODEL_SHAPES",
+    "ModelLoadError",
+    "ModelShape",
+    "chat_prompt",
+    "default_model_dir",
+    "load_model",
+    "random_model",
+]
+
+_Loaded = tuple[PreTrainedModel, PreTrainedTokenizerBase]
+
+DEFAULT_MODEL_DIRNAME = "smollm2-135m-instruct"
+# What the embedded SmolLM2-135M-Instruct must look like; a mismatch means a broken asset or conversion.
+_DEFAULT_EXPECTED = {
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[\w.-]+)?$")
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec could not be resolved or loaded."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Real models
+
+
+def load_model(
+    spec: str = "default",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    ``spec`` is ``"default"`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a local HF model dir or a hub id.
+    """
+    path = Path(spec).expanduser()
+    if spec == "default":
+        return _load_default(dtype, device)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"cannot load model {spec!r}: it is a file but not a .gguf; {_HINT}")
+        hint = "check that it is a complete GGUF file of a supported architecture (e.g. Llama)"
+        load = partial(_from_pretrained, path.parent, dtype, device, gguf_file=path.name)
+    elif path.is_dir():
+        hint = "check that the folder holds config.json, the weights and the tokenizer files"
+        load = partial(_from_pretrained, path, dtype, device)
+    elif not _HUB_ID.match(spec) or spec.lower().endswith(".gguf"):
+        raise ModelLoadError(f"cannot load model {spec!r}: no such file or directory; {_HINT}")
+    else:
+        hint = (
+            "if this machine is offline or the id is wrong, download the model on a connected machine "
+            "(`hf download ID --local-dir DIR`) and pass DIR, or use 'default'"
+        )
+        load = partial(_from_pretrained, spec, dtype, device)
+    return _guarded(spec, hint, load)
+
+
+_HINT = "pass 'default', a .gguf file, a local Hugging Face model folder, or a hub id like 'org/name'"
+
+
+def default_model_dir() -> Path:
+    """Folder of the default model converted to safetensors (converted from the GGUF on first use)."""
+    final = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    if not final.is_dir():
+        _convert_default(final)
+    return final
+
+
+def _load_default(
+    dtype: torch.dtype, device: str | torch.device
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    folder = default_model_dir()
+    # The converted folder only appears complete (atomic rename), so a failure here is external damage or a
+    # dtype/device problem; rebuilding automatically could throw away a good copy, so we only say how to fix it.
+    hint = f"if the cached copy is damaged, delete {folder} and retry"
+    model, tok = _guarded("default", hint, partial(_from_pretrained, folder, dtype, device))
+    _check_default(model)
+    return model, tok
+
+
+def _convert_default(final: Path) -> None:
+    """Dequantize the embedded GGUF once and save it as a plain safetensors model + tokenizer, atomically."""
+    gguf = default_model_file()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(final.parent)  # a killed conversion leaves ~0.5 GB behind
+    work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=final.parent))
+    try:
+        try:
+            loaded = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_gguf_kwargs()
+            )
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = _plain_copy(loaded)
+            del loaded
+            _check_default(model)
+            # fp32 keeps the dequantized Q4_1 values exactly (bf16 would round them).
+            model.save_pretrained(work / "out")
+            tok.save_pretrained(work / "out")
+        except Exception as exc:  # noqa: BLE001 - any failure means no usable conversion
+            raise ModelLoadError(
+                f"cannot convert the default model {gguf} to safetensors: {_short(exc)}; delete {gguf.parent.parent} "
+                f"to refetch it"
+            ) from None
+        try:
+            (work / "out").rename(final)
+        except OSError:
+            if not final.is_dir():  # else another process converted it at the same time: use theirs
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _gguf_kwargs() -> dict[str, Any]:
+    # Newer transformers keep GGUF weights packed when the `kernels` package is present; we want plain nn.Linear
+    # weights everywhere, so ask for dequantization explicitly where that option exists.
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _plain_copy(model: PreTrainedModel) -> PreTrainedModel:
+    """Same weights in a model with no quantizer attached, so that ``save_pretrained`` writes a plain checkpoint."""
+    cfg_dict = model.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    config = type(model.config).from_dict(cfg_dict)
+    # Built on meta and filled by assignment: random-initialising 135M weights only to overwrite them costs ~10 s.
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), strict=True, assign=True)
+    plain.tie_weights()
+    plain.generation_config = model.generation_config
+    return plain
+
+
+def _check_default(model: PreTrainedModel) -> None:
+    cfg = model.config
+    got = {key: getattr(cfg, key, None) for key in _DEFAULT_EXPECTED}
+    if type(model).__name__ != "LlamaForCausalLM" or got != _DEFAULT_EXPECTED:
+        raise ModelLoadError(
+            f"the default model is not the expected SmolLM2-135M shape: got {type(model).__name__} {got}, "
+            f"expected LlamaForCausalLM {_DEFAULT_EXPECTED}"
+        )
+
+
+def _from_pretrained(
+    source: str | Path, dtype: torch.dtype, device: str | torch.device, gguf_file: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    dev = torch.device(device)
+    kwargs: dict[str, Any] = {"dtype": dtype, "attn_implementation": "sdpa"}
+    if dev.type != "cpu":
+        kwargs["device_map"] = {"": dev}  # load straight onto the accelerator, no full CPU copy first
+    if gguf_file is not None:
+        kwargs.update(gguf_file=gguf_file, **_gguf_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    tok_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    tok = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+    if tok.pad_token is None and tok.eos_token is not None:
+        tok.pad_token = tok.eos_token  # batched generate needs a pad token; causal LMs often ship without one
+    model = model.to(device=dev, dtype=dtype).eval()
+    return model, tok
+
+
+def _guarded(spec: str, hint: str, load: Callable[[], _Loaded]) -> _Loaded:
+    try:
+        return load()
+    except Exception as exc:  # noqa: BLE001 - callers get one clear error, not a transformers traceback
+        raise ModelLoadError(f"cannot load model {spec!r}: {_short(exc)}; {hint}") from None
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(exc).split()).rstrip(".") or "no message"
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    """``text`` as one user turn plus the assistant generation prompt, if the tokenizer has a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return text
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random-weight models
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model family (HF ``model_type``) and the config fields that define its shape."""
+
+    model_type: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+_TINY_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "vocab_size": 512}
+
+MODEL_SHAPES: dict[str, ModelShape] = {
+    # Tiny shapes: fast unit tests. Varied GQA ratios and head dims (32, 48, 64) catch shape assumptions.
+    "tiny-llama": ModelShape("llama", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 8192,
+    }),
+    "tiny-llama-mha": ModelShape("llama", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32, "max_position_embeddings": 8192,
+    }),
+    "tiny-qwen2": ModelShape("qwen2", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 48, "max_position_embeddings": 8192,
+        "tie_word_embeddings": True, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }),
+    "tiny-mistral": ModelShape("mistral", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
+        "sliding_window": None,
+    }),
+    # Real published shapes, for speed benchmarks (random weights, no download).
+    # Llama-3.1-8B: the 131072-token context comes with its "llama3" RoPE scaling.
+    "llama3-8b": ModelShape("llama", {
+        "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        },
+    }),
+    # Qwen2-7B(-Instruct): 32K native context (longer needs YaRN, not modelled here).
+    "qwen2-7b": ModelShape("qwen2", {
+        "vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "bos_token_id": 151643, "eos_token_id": 151643, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }),
+    # Mistral-7B-v0.3: full attention (no sliding window), 32768-token vocab.
+    "mistral-7b": ModelShape("mistral", {
+        "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "sliding_window": None, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    }),
+}  # fmt: skip
+
+
+def random_model(
+    shape: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    **overrides: Any,
+) -> PreTrainedModel:
+    """A random-weight model of a ``MODEL_SHAPES`` shape; ``overrides`` replace config fields.
+
+    Weights are created directly on ``device`` in ``dtype`` (``"meta"`` allocates nothing). Build on the device you
+    will run on: a meta model's RoPE buffers are not real values.
+    """
+    if shape not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(sorted(MODEL_SHAPES))}")
+    entry = MODEL_SHAPES[shape]
+    config = AutoConfig.for_model(entry.model_type, **{**entry.config, **overrides})
+    dev = torch.device(device)
+    rng_devices = [dev] if dev.type == "cuda" else []
+    # fork_rng: seeding must not disturb the caller's global RNG stream.
+    with torch.random.fork_rng(devices=rng_devices), torch.device(dev):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    return model.eval()
