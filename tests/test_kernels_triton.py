@@ -117,3 +117,25 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
     out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, block=16, splits=3)
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU
+
+
+@here
+@pytest.mark.parametrize("mlp", [True, False])
+def test_sign_hash_triton(impl, mlp):
+    from sparsekv.kernels.sign_hash import sign_hash_reference
+
+    mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 6, 3, 32, generator=gen)
+    w1 = torch.randn(2, 32, 64, generator=gen)
+    w2 = torch.randn(2, 64, 128, generator=gen) if mlp else None
+    b1 = torch.randn(2, 64, generator=gen) if mlp else None
+    ref = sign_hash_reference(
+        x.double(), w1.double(), None if w2 is None else w2.double(), None if b1 is None else b1.double()
+    )
+    out = mod.sign_hash_triton(*(t.to(DEV) if t is not None else None for t in (x, w1, w2, b1))).cpu()
+    # tf32 / reduced-precision dots can flip the sign of values near 0: allow a few flipped bits
+    from sparsekv.kernels.bits import popcount32
+
+    flips = popcount32(out ^ ref).sum().item()
+    assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips

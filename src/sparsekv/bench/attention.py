@@ -18,14 +18,10 @@ def _budget_tokens(budget: float, context: int) -> int:
 
 
 def _hash_query(q: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None, hkv: int) -> torch.Tensor:
-    """Spotlight-style query hash (per kv head MLP d->h->bits, sign) or linear LSH (w2 None); packed codes."""
-    from sparsekv.kernels.bits import pack_sign_bits
+    """Spotlight-style query hash (per kv head MLP d->128->bits, sign) or linear LSH (w2 None): one kernel."""
+    from sparsekv.kernels.sign_hash import sign_hash
 
-    b, hq, _, d = q.shape
-    x = torch.matmul(q.view(b, hkv, hq // hkv, d), w1)  # [B, Hkv, g, h]
-    if w2 is not None:
-        x = torch.matmul(F.silu(x), w2)
-    return pack_sign_bits(x).view(b, hq, 1, -1)
+    return sign_hash(q, w1, w2)
 
 
 def run_attention(

@@ -57,6 +57,18 @@ def run_kernels(
             code_bytes + rows_kv * n * 2,
         )
     )
+    default = dict(ham.TUNE)
+    for blk, nw in ((256, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)):
+        ham.TUNE.update(block=blk, num_warps=nw)
+        out.append(
+            Row(
+                f"  score+histogram block={blk} warps={nw}",
+                "sweep",
+                graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
+                code_bytes + rows_kv * n * 2,
+            )
+        )
+    ham.TUNE.update(default)
     states = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
     out.append(
         Row(
@@ -66,6 +78,31 @@ def run_kernels(
             rows_kv * n * 2 + rows_kv * k * 8,
         )
     )
+
+    def sub(i, stage):
+        sc, hist, nc, bpc, blk, levels, nbits = states[i]
+        flat = sc.view(-1, sc.shape[-1])
+        kw = {
+            "lo": 0,
+            "levels": levels,
+            "nbits": nbits,
+            "is_float": False,
+            "block": blk,
+            "num_chunks": nc,
+            "bpc": bpc,
+        }
+        if stage == "levels":
+            return tk.radix_levels(flat, k, hist=hist, first_done=True, **kw)
+        return tk.radix_compact(flat, k, hist, **kw)
+
+    for stage in ("levels", "compact"):
+        out.append(Row(f"  select stage: {stage}", "sweep", graph_us(lambda i, st=stage: sub(i, st), L),
+                       rows_kv * n * 2))  # fmt: skip
+    tk.HIST_MODE["mode"] = "atomic"
+    out.append(Row("  score+histogram with tl.histogram (atomic)", "sweep",
+                   graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
+                   code_bytes + rows_kv * n * 2))  # fmt: skip
+    tk.HIST_MODE["mode"] = "onehot"
     int_scores = [st[0] for st in states]  # int16 [B, Hkv, 1, N]
     out.append(
         Row(
@@ -91,12 +128,16 @@ def run_kernels(
     fs = [torch.randn(batch, hq, 1, n, device=dev, generator=gen) for _ in range(Lf)]
     out.append(
         Row(
-            "select_topk float (3-level radix)",
+            "select_topk float (7x5-bit radix, one-hot)",
             f"{rows_q} rows x {n} fp32, k={k}",
             graph_us(lambda i: tk.select_topk_float(fs[i], k), Lf),
             4 * fl_bytes + rows_q * k * 8,
         )
     )
+    tk.HIST_MODE["mode"] = "atomic"
+    out.append(Row("  select_topk float, tl.histogram 4x8-bit", "sweep",
+                   graph_us(lambda i: tk.select_topk_float(fs[i], k), Lf), 5 * fl_bytes))  # fmt: skip
+    tk.HIST_MODE["mode"] = "onehot"
     out.append(
         Row(
             "torch.topk fp32 q-head rows",
@@ -123,6 +164,15 @@ def run_kernels(
             rows_kv * k * (2 * d * 2 + 8),
         )
     )
+    from sparsekv.kernels import _sparse_attention_triton as sat
+
+    default_att = dict(sat.TUNE)
+    for blk, mult, nw, ns in ((32, 4, 4, 2), (64, 4, 4, 3), (32, 8, 4, 3), (64, 2, 8, 3), (128, 2, 8, 2)):
+        sat.TUNE.update(block=blk, sm_mult=mult, num_warps=nw, num_stages=ns)
+        out.append(Row(f"  attention block={blk} sm_mult={mult} warps={nw} stages={ns}", "sweep",
+                       graph_us(lambda i: sparse_attention(qs[i], ks[i], vs[i], idx[i], ones, d**-0.5), La),
+                       rows_kv * k * (2 * d * 2 + 8)))  # fmt: skip
+    sat.TUNE.update(default_att)
     out.append(
         Row(
             "dense SDPA (enable_gqa)",

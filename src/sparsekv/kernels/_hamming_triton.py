@@ -9,8 +9,18 @@ import triton
 import triton.language as tl
 
 from sparsekv.kernels._tl_utils import popcount_tl
-from sparsekv.kernels._topk_triton import chunk_histogram, chunking, topk_from_histogram
+from sparsekv.kernels._topk_triton import (
+    HIST_MODE,
+    chunking,
+    digit_histogram,
+    int_levels,
+    max_chunks,
+    radix_topk,
+)
 from sparsekv.kernels._triton import next_pow2
+
+# launch parameters of the scorer (the kernel benchmark sweeps them)
+TUNE = {"block": 512, "num_warps": 4}
 
 
 @triton.jit
@@ -40,6 +50,9 @@ def _hamming_kernel(
     BLOCK: tl.constexpr,
     HIST: tl.constexpr,
     NBITS: tl.constexpr,
+    LEVELS: tl.constexpr,
+    FULL: tl.constexpr,
+    ONEHOT: tl.constexpr,
     USE_POPC: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -60,36 +73,44 @@ def _hamming_kernel(
         offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
         nmask = offs < N
         kc = tl.load(
-            k_base + offs[:, None].to(tl.int64) * skn + w[None, :],
+            # unit stride between a token's words and W between tokens (constexpr): one 16-byte load per token
+            k_base + offs[:, None].to(tl.int64) * W + w[None, :],
             mask=nmask[:, None] & wmask[None, :],
             other=0,
         )
         diff = tl.zeros([BLOCK, WP], dtype=tl.int32)
         for hh in tl.static_range(G):
             qc = tl.load(q_base + hh * sqh + w, mask=wmask, other=0)
-            diff += popcount_tl((kc ^ qc[None, :]) & word_mask[None, :], USE_POPC)
+            x = kc ^ qc[None, :]
+            if not FULL:
+                x = x & word_mask[None, :]
+            diff += popcount_tl(x, USE_POPC)
         score = G * bits - tl.sum(diff, axis=1)
         tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
         if HIST:
-            h += chunk_histogram(score.to(tl.uint32, bitcast=True), nmask, 0, 0, NBITS, True)
+            h += digit_histogram(
+                score.to(tl.uint32, bitcast=True), nmask, 0, NBITS * (LEVELS - 1), NBITS, True, ONEHOT
+            )
     if HIST:
         tl.store(hist_ptr + (r.to(tl.int64) * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
-def _launch(query_codes, key_codes, bits, out_dtype, hist_bits=None):
+def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
     b, hq, q, w = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     g = hq // hkv
-    if key_codes.stride(-1) != 1:
+    if key_codes.stride(-1) != 1 or key_codes.stride(-2) != w:
         key_codes = key_codes.contiguous()
     if query_codes.stride(-1) != 1:
         query_codes = query_codes.contiguous()
     rows = b * hkv * q
     out = torch.empty(b, hkv, q, n, dtype=out_dtype, device=key_codes.device)
-    block = 512 if n >= 8192 else 128
-    num_chunks, bpc = chunking(rows, n, block, key_codes.device)
-    if hist_bits is not None:
-        hist = torch.empty(rows, num_chunks, 1 << hist_bits, dtype=torch.int32, device=key_codes.device)
+    block = TUNE["block"] if n >= 8192 else 128
+    levels, nbits = radix or (1, 1)
+    num_chunks, bpc = chunking(rows, n, block, key_codes.device, max_chunks=max_chunks(nbits))
+    if radix is not None:
+        # level 0 of the radix select is written here; later levels by _topk_triton
+        hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=key_codes.device)
     else:
         hist = out  # unused
     _hamming_kernel[(num_chunks, rows)](
@@ -110,10 +131,13 @@ def _launch(query_codes, key_codes, bits, out_dtype, hist_bits=None):
         W=w,
         WP=next_pow2(w),
         BLOCK=block,
-        HIST=hist_bits is not None,
-        NBITS=hist_bits or 1,
+        HIST=radix is not None,
+        NBITS=nbits,
+        LEVELS=levels,
+        FULL=bits == 32 * w,
+        ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
-        num_warps=4,
+        num_warps=TUNE["num_warps"],
     )
     return out, hist, num_chunks, bpc, block
 
@@ -133,20 +157,32 @@ def hamming_topk_triton(
 
 
 def hamming_score_hist(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int):
-    """Stage 1 of hamming_topk (exposed for stage timings): int16 scores + per-chunk histograms."""
+    """Stage 1 of hamming_topk (exposed for stage timings): int16 scores + level-0 radix histograms."""
     from sparsekv.kernels.hamming import _check
 
     _, g = _check(query_codes, key_codes)
     max_score = g * bits
-    nbits = max(1, (next_pow2(max_score + 1) - 1).bit_length())
+    levels, nbits = int_levels(max_score + 1)
     dtype = torch.int16 if max_score < 2**15 else torch.int32
-    scores, hist, num_chunks, bpc, block = _launch(query_codes, key_codes, bits, dtype, hist_bits=nbits)
-    return scores, hist, num_chunks, bpc, block, nbits, max_score
+    scores, hist, num_chunks, bpc, block = _launch(query_codes, key_codes, bits, dtype, radix=(levels, nbits))
+    return scores, hist, num_chunks, bpc, block, levels, nbits
 
 
 def hamming_select(state, k: int) -> torch.Tensor:
-    """Stage 2 of hamming_topk: threshold + compaction from `hamming_score_hist`'s state."""
-    scores, hist, num_chunks, bpc, block, nbits, max_score = state
+    """Stage 2 of hamming_topk: remaining radix levels + compaction from `hamming_score_hist`'s state."""
+    scores, hist, num_chunks, bpc, block, levels, nbits = state
     flat = scores.view(-1, scores.shape[-1])
-    out = topk_from_histogram(flat, hist, num_chunks, bpc, k, 0, nbits, max_score + 1, block)
+    out = radix_topk(
+        flat,
+        k,
+        lo=0,
+        levels=levels,
+        nbits=nbits,
+        is_float=False,
+        block=block,
+        num_chunks=num_chunks,
+        bpc=bpc,
+        hist=hist,
+        first_done=True,
+    )
     return out.view(*scores.shape[:-1], k)

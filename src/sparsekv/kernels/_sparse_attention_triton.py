@@ -13,6 +13,9 @@ import triton.language as tl
 
 from sparsekv.kernels._triton import next_pow2
 
+# launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
+TUNE = {"block": 64, "sm_mult": 2, "num_warps": 4, "num_stages": 2}
+
 
 @triton.jit
 def _partial_kernel(
@@ -122,8 +125,9 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl
 
 
 def sparse_attention_triton(
-    query, keys, values, indices, valid, scaling, *, block: int = 64, splits: int | None = None
+    query, keys, values, indices, valid, scaling, *, block: int | None = None, splits: int | None = None
 ):
+    block = block or TUNE["block"]
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
     s, kk = indices.shape[1], indices.shape[3]
@@ -138,7 +142,7 @@ def sparse_attention_triton(
     rows = b * s * q
     if splits is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-        splits = max(1, min(triton.cdiv(2 * sms, rows), triton.cdiv(kk, block)))
+        splits = max(1, min(triton.cdiv(TUNE["sm_mult"] * sms, rows), triton.cdiv(kk, block)))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
     splits = max(1, triton.cdiv(kk, split_len))
     o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
@@ -169,8 +173,8 @@ def sparse_attention_triton(
         D=d,
         DP=next_pow2(d),
         BLOCK=block,
-        num_warps=4,
-        num_stages=2,
+        num_warps=TUNE["num_warps"],
+        num_stages=TUNE["num_stages"],
     )
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
     _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits))

@@ -1,9 +1,14 @@
-"""Sort-free top-k on the GPU: per-chunk histograms -> per-row threshold -> deterministic compaction.
+"""Sort-free top-k on the GPU: radix select with small digits, then a deterministic compaction.
 
-Integer scores of a small range take one histogram level on (score - lo). Float scores are mapped to
-order-preserving uint32 keys and take three radix levels (11 + 11 + 10 bits), each level histogramming only the
-elements whose higher digits equal the threshold prefix found so far. The compaction writes every element above
-the final key and the first (by position) `need` elements equal to it, so the result is deterministic.
+Scores map to uint32 keys whose order is the score order (int: score - lo; float: sign-flipped bits). The key is
+cut into LEVELS digits of NBITS bits (int scores of range 513 -> 2 x 5 bits; floats -> 4 x 8 bits). Level l
+writes, per (row, chunk), a 2**NBITS-bin histogram of digit l over the keys whose higher digits equal the
+threshold prefix found from levels < l. Every later kernel re-derives that prefix from the stored histograms
+(a few KB from L2), so there is no separate threshold launch. The compaction writes every key above the final
+threshold and the first `need` (by position) equal to it: exactly k, deterministic.
+
+Histograms stay small on purpose: triton's histogram costs about bins/32 * log2(bins) operations per element,
+and 1024 bins made the first version 9x slower than scoring itself.
 """
 
 from __future__ import annotations
@@ -12,10 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._triton import next_pow2
-
-MAX_BINS = 4096  # int scores whose range is below this take the one-level histogram path
-_FLOAT_LEVELS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each radix digit of the 32-bit key
+INT_DIGIT_BITS = 5
+FLOAT_DIGIT_BITS = 8
+MAX_BINS = 1 << 20  # int scores whose range is below this take the radix path (4 levels of 5 bits)
 
 
 @triton.jit
@@ -30,197 +34,207 @@ def _key(s, lo, IS_FLOAT: tl.constexpr):
 
 
 @triton.jit
-def chunk_histogram(key, nmask, prefix, SHIFT: tl.constexpr, NBITS: tl.constexpr, FIRST: tl.constexpr):
-    """Histogram (2**NBITS bins) of the digit (key >> SHIFT) of the valid keys that match `prefix` above it."""
+def derive_threshold(
+    hist_ptr, r, num_rows, num_chunks, k, LEVELS: tl.constexpr, NBITS: tl.constexpr, CP: tl.constexpr
+):
+    """From the histograms of levels 0..LEVELS-1 of row r: (key prefix, k still to place among keys equal to the
+    prefix, per-chunk count above the prefix [CP], per-chunk count equal at the last level [CP])."""
+    NB: tl.constexpr = 1 << NBITS
+    bins = tl.arange(0, NB)
+    chunks = tl.arange(0, CP)
+    cmask = chunks < num_chunks
+    prefix = tl.zeros([], dtype=tl.int32)
+    k_rem = tl.zeros([], dtype=tl.int32) + k
+    gt_chunk = tl.zeros([CP], dtype=tl.int32)
+    eq_chunk = tl.zeros([CP], dtype=tl.int32)
+    for level in tl.static_range(LEVELS):
+        base = hist_ptr + ((level * num_rows + r) * num_chunks) * NB
+        h = tl.load(base + chunks[:, None] * NB + bins[None, :], mask=cmask[:, None], other=0)
+        tot = tl.sum(h, axis=0)
+        ge = tl.sum(tot, axis=0) - tl.cumsum(tot, axis=0) + tot  # keys with digit >= bin
+        t = tl.max(tl.where(ge >= k_rem, bins, -1), axis=0)
+        above = bins[None, :] > t
+        gt_chunk += tl.sum(tl.where(above, h, 0), axis=1)
+        eq_chunk = tl.sum(tl.where(bins[None, :] == t, h, 0), axis=1)
+        k_rem -= tl.sum(tl.where(bins > t, tot, 0), axis=0)
+        prefix = (prefix << NBITS) | t
+    return prefix, k_rem, gt_chunk, eq_chunk
+
+
+# how level histograms are built: "onehot" (compare with every bin, reduce over the block: ~2 ops per element
+# and bin, no atomics) or "atomic" (tl.histogram: shared-memory atomics, slow under the heavy contention of
+# concentrated scores). The kernel benchmark sweeps this.
+HIST_MODE = {"mode": "onehot"}
+
+
+@triton.jit
+def digit_histogram(
+    key,
+    nmask,
+    prefix,
+    SHIFT: tl.constexpr,
+    NBITS: tl.constexpr,
+    FIRST: tl.constexpr,
+    ONEHOT: tl.constexpr = True,
+):
+    """Histogram (2**NBITS bins) of digit (key >> SHIFT) of the valid keys whose higher bits equal `prefix`."""
     digit = ((key >> SHIFT) & ((1 << NBITS) - 1)).to(tl.int32)
     ok = nmask
     if not FIRST:
-        ok = ok & ((key >> (SHIFT + NBITS)) == prefix)
-    digit = tl.where(ok, digit, 0)
-    h = tl.histogram(digit, 1 << NBITS)
-    # excluded lanes were counted in bin 0 (histogram's mask argument is not in every triton version)
-    n_out = tl.sum((~ok).to(tl.int32), axis=0)
-    return tl.where(tl.arange(0, 1 << NBITS) == 0, h - n_out, h)
+        ok = ok & ((key >> (SHIFT + NBITS)) == prefix.to(tl.uint32))
+    if ONEHOT:
+        digit = tl.where(ok, digit, -1)
+        hit = digit[:, None] == tl.arange(0, 1 << NBITS)[None, :]
+        return tl.sum(hit.to(tl.int32), axis=0)
+    else:
+        digit = tl.where(ok, digit, 0)
+        h = tl.histogram(digit, 1 << NBITS)
+        # excluded lanes were counted in bin 0 (histogram's mask argument is not in every triton version)
+        n_out = tl.sum((~ok).to(tl.int32), axis=0)
+        return tl.where(tl.arange(0, 1 << NBITS) == 0, h - n_out, h)
 
 
 @triton.jit
 def _hist_kernel(
     src_ptr,
     hist_ptr,
-    meta_ptr,
     N,
     stride_row,
     lo,
+    k,
+    num_rows,
     num_chunks,
     blocks_per_chunk,
-    SHIFT: tl.constexpr,
+    LEVEL: tl.constexpr,
+    LEVELS: tl.constexpr,
     NBITS: tl.constexpr,
-    FIRST: tl.constexpr,
+    CP: tl.constexpr,
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONEHOT: tl.constexpr,
 ):
     c = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    prefix = tl.load(meta_ptr + r * 4).to(tl.uint32, bitcast=True)
+    r = tl.program_id(1)
+    if LEVEL > 0:
+        prefix, _k, _g, _e = derive_threshold(hist_ptr, r, num_rows, num_chunks, k, LEVEL, NBITS, CP)
+    else:
+        prefix = tl.zeros([], dtype=tl.int32)
+    SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
+    row_ptr = src_ptr + r.to(tl.int64) * stride_row
     for i in range(blocks_per_chunk):
         offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
         nmask = offs < N
-        s = tl.load(src_ptr + r * stride_row + offs, mask=nmask, other=0)
-        h += chunk_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, FIRST)
-    tl.store(hist_ptr + (r * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
-
-
-@triton.jit
-def _threshold_kernel(
-    hist_ptr,
-    meta_ptr,
-    gt_ptr,
-    eq_ptr,
-    k,
-    num_chunks,
-    num_valid_bins,
-    NBITS: tl.constexpr,
-    FIRST: tl.constexpr,
-    LAST: tl.constexpr,
-):
-    """meta[r] = (key prefix found so far, k still to place, total above the final key, needed equal).
-    gt[r, c] accumulates the per-chunk counts above the threshold over the levels; on the last level gt and eq
-    become the exclusive prefix sums over chunks used by the compaction."""
-    r = tl.program_id(0).to(tl.int64)
-    NB: tl.constexpr = 1 << NBITS
-    bins = tl.arange(0, NB)
-    if FIRST:
-        prefix = 0
-        k_rem = k
-    else:
-        prefix = tl.load(meta_ptr + r * 4)
-        k_rem = tl.load(meta_ptr + r * 4 + 1)
-    total = tl.zeros([NB], dtype=tl.int32)
-    for c in range(num_chunks):
-        total += tl.load(hist_ptr + (r * num_chunks + c) * NB + bins)
-    total = tl.where(bins < num_valid_bins, total, 0)
-    ge = tl.sum(total, axis=0) - tl.cumsum(total, axis=0) + total  # elements with digit >= bin
-    t = tl.max(tl.where(ge >= k_rem, bins, -1), axis=0)
-    cnt_gt = tl.sum(tl.where(bins > t, total, 0), axis=0)
-    run_gt = 0
-    run_eq = 0
-    for c in range(num_chunks):
-        h = tl.load(hist_ptr + (r * num_chunks + c) * NB + bins)
-        g_c = tl.sum(tl.where(bins > t, h, 0), axis=0)
-        if not FIRST:
-            g_c += tl.load(gt_ptr + r * num_chunks + c)
-        if LAST:
-            tl.store(gt_ptr + r * num_chunks + c, run_gt)
-            tl.store(eq_ptr + r * num_chunks + c, run_eq)
-            run_eq += tl.sum(tl.where(bins == t, h, 0), axis=0)
-        else:
-            tl.store(gt_ptr + r * num_chunks + c, g_c)
-        run_gt += g_c
-    k_rem = k_rem - cnt_gt
-    tl.store(meta_ptr + r * 4, (prefix << NBITS) | t)
-    tl.store(meta_ptr + r * 4 + 1, k_rem)
-    if LAST:
-        tl.store(meta_ptr + r * 4 + 2, k - k_rem)
-        tl.store(meta_ptr + r * 4 + 3, k_rem)
-
-
-@triton.jit
-def compact_block(
-    key,
-    nmask,
-    offs,
-    thr,
-    out_row_ptr,
-    base_gt,
-    base_eq,
-    cnt_gt,
-    need_eq,
-):
-    """Write the positions of one block's selected keys; returns how many were above / equal to the threshold."""
-    m_gt = nmask & (key > thr)
-    m_eq = nmask & (key == thr)
-    cg = tl.cumsum(m_gt.to(tl.int32), axis=0)
-    tl.store(out_row_ptr + base_gt + cg - 1, offs.to(tl.int64), mask=m_gt)
-    rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-    keep = m_eq & (rank < need_eq)
-    tl.store(out_row_ptr + cnt_gt + rank, offs.to(tl.int64), mask=keep)
-    return tl.sum(m_gt.to(tl.int32), axis=0), tl.sum(m_eq.to(tl.int32), axis=0)
+        s = tl.load(row_ptr + offs, mask=nmask, other=0)
+        h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
+    out = hist_ptr + ((LEVEL * num_rows + r) * num_chunks + c) * (1 << NBITS)
+    tl.store(out + tl.arange(0, 1 << NBITS), h)
 
 
 @triton.jit
 def _compact_kernel(
     src_ptr,
     out_ptr,
-    meta_ptr,
-    gt_ptr,
-    eq_ptr,
+    hist_ptr,
     N,
     stride_row,
     lo,
     k,
+    num_rows,
     num_chunks,
     blocks_per_chunk,
+    LEVELS: tl.constexpr,
+    NBITS: tl.constexpr,
+    CP: tl.constexpr,
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     c = tl.program_id(0)
-    r = tl.program_id(1).to(tl.int64)
-    thr = tl.load(meta_ptr + r * 4).to(tl.uint32, bitcast=True)
-    cnt_gt = tl.load(meta_ptr + r * 4 + 2)
-    need_eq = tl.load(meta_ptr + r * 4 + 3)
-    base_gt = tl.load(gt_ptr + r * num_chunks + c)
-    base_eq = tl.load(eq_ptr + r * num_chunks + c)
+    r = tl.program_id(1)
+    thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
+        hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
+    )
+    thr = thr.to(tl.uint32, bitcast=True)
+    chunks = tl.arange(0, CP)
+    cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
+    base_gt = tl.sum(tl.where(chunks < c, gt_chunk, 0), axis=0)
+    base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
+    row_ptr = src_ptr + r.to(tl.int64) * stride_row
+    out_row = out_ptr + r.to(tl.int64) * k
     for i in range(blocks_per_chunk):
         offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
         nmask = offs < N
-        s = tl.load(src_ptr + r * stride_row + offs, mask=nmask, other=0)
-        n_gt, n_eq = compact_block(
-            _key(s, lo, IS_FLOAT), nmask, offs, thr, out_ptr + r * k, base_gt, base_eq, cnt_gt, need_eq
-        )
-        base_gt += n_gt
-        base_eq += n_eq
+        key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
+        m_gt = nmask & (key > thr)
+        m_eq = nmask & (key == thr)
+        cg = tl.cumsum(m_gt.to(tl.int32), axis=0)
+        tl.store(out_row + base_gt + cg - 1, offs.to(tl.int64), mask=m_gt)
+        rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
+        tl.store(out_row + cnt_gt + rank, offs.to(tl.int64), mask=m_eq & (rank < need_eq))
+        base_gt += tl.sum(m_gt.to(tl.int32), axis=0)
+        base_eq += tl.sum(m_eq.to(tl.int32), axis=0)
 
 
-def chunking(rows: int, n: int, block: int, device: torch.device) -> tuple[int, int]:
+def chunking(rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128) -> tuple[int, int]:
     """(num_chunks, blocks_per_chunk): enough programs to fill the GPU, each streaming several blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     blocks = triton.cdiv(n, block)
-    want_chunks = max(1, triton.cdiv(4 * sms, rows))
+    want_chunks = min(max_chunks, max(1, triton.cdiv(4 * sms, rows)))
     blocks_per_chunk = max(1, triton.cdiv(blocks, want_chunks))
     return triton.cdiv(blocks, blocks_per_chunk), blocks_per_chunk
 
 
-def topk_from_histogram(
-    src, hist, num_chunks, blocks_per_chunk, k, lo, nbits, num_valid_bins, block, is_float=False
-):
-    """Threshold + compaction of rows whose first-level histogram `hist` [R, C, 2**nbits] is already built
-    (by `_hist_kernel` or a fused scoring kernel). Single level only."""
+def max_chunks(nbits: int) -> int:
+    """Chunks per row such that one [chunks, bins] histogram tile stays in registers when re-derived."""
+    return max(1, min(128, 8192 >> nbits))
+
+
+def int_levels(num_values: int) -> tuple[int, int]:
+    """(levels, digit bits) of the radix select over keys 0..num_values-1."""
+    key_bits = max(1, (num_values - 1).bit_length())
+    nbits = min(INT_DIGIT_BITS, key_bits)
+    return triton.cdiv(key_bits, nbits), nbits
+
+
+def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False):
+    """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it)."""
     rows, n = src.shape
-    dev = src.device
-    meta = torch.empty(rows, 4, dtype=torch.int32, device=dev)
-    gt = torch.empty(rows, num_chunks, dtype=torch.int32, device=dev)
-    eq = torch.empty(rows, num_chunks, dtype=torch.int32, device=dev)
-    _threshold_kernel[(rows,)](
-        hist, meta, gt, eq, k, num_chunks, num_valid_bins, NBITS=nbits, FIRST=True, LAST=True
-    )
-    out = torch.empty(rows, k, dtype=torch.int64, device=dev)
+    if hist is None:
+        hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=src.device)
+    for level in range(1 if first_done else 0, levels):
+        _hist_kernel[(num_chunks, rows)](
+            src, hist, n, src.stride(0), lo, k, rows, num_chunks, bpc,
+            LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
+            BLOCK=block, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6, num_warps=4,
+        )  # fmt: skip
+    return hist
+
+
+def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc):
+    """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic."""
+    rows, n = src.shape
+    out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
     _compact_kernel[(num_chunks, rows)](
-        src,
-        out,
-        meta,
-        gt,
-        eq,
-        n,
-        src.stride(0),
-        lo,
-        k,
-        num_chunks,
-        blocks_per_chunk,
-        IS_FLOAT=is_float,
-        BLOCK=block,
-    )
+        src, out, hist, n, src.stride(0), lo, k, rows, num_chunks, bpc,
+        LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=block,
+        num_warps=4,
+    )  # fmt: skip
     return out
+
+
+def radix_topk(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False):
+    """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64."""
+    kw = {
+        "lo": lo,
+        "levels": levels,
+        "nbits": nbits,
+        "is_float": is_float,
+        "block": block,
+        "num_chunks": num_chunks,
+        "bpc": bpc,
+    }
+    hist = radix_levels(src, k, hist=hist, first_done=first_done, **kw)
+    return radix_compact(src, k, hist, **kw)
 
 
 def _rows(scores: torch.Tensor) -> torch.Tensor:
@@ -228,66 +242,25 @@ def _rows(scores: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
+def _block(n: int) -> int:
+    return 1024 if n >= 16384 else 256
+
+
+def _select(scores: torch.Tensor, k: int, lo: int, levels: int, nbits: int, is_float: bool) -> torch.Tensor:
     src = _rows(scores)
     rows, n = src.shape
-    block = 1024 if n >= 8192 else 256
-    num_chunks, bpc = chunking(rows, n, block, src.device)
-    nbits = max(1, (next_pow2(hi - lo + 1) - 1).bit_length())
-    hist = torch.empty(rows, num_chunks, 1 << nbits, dtype=torch.int32, device=src.device)
-    meta = torch.zeros(rows, 4, dtype=torch.int32, device=src.device)
-    _hist_kernel[(num_chunks, rows)](
-        src,
-        hist,
-        meta,
-        n,
-        src.stride(0),
-        lo,
-        num_chunks,
-        bpc,
-        SHIFT=0,
-        NBITS=nbits,
-        FIRST=True,
-        IS_FLOAT=False,
-        BLOCK=block,
-    )
-    out = topk_from_histogram(src, hist, num_chunks, bpc, k, lo, nbits, hi - lo + 1, block)
+    block = _block(n)
+    num_chunks, bpc = chunking(rows, n, block, src.device, max_chunks=max_chunks(nbits))
+    out = radix_topk(src, k, lo=lo, levels=levels, nbits=nbits, is_float=is_float, block=block,
+                     num_chunks=num_chunks, bpc=bpc)  # fmt: skip
     return out.reshape(*scores.shape[:-1], k)
+
+
+def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
+    levels, nbits = int_levels(hi - lo + 1)
+    return _select(scores, k, lo, levels, nbits, False)
 
 
 def select_topk_float(scores: torch.Tensor, k: int) -> torch.Tensor:
-    src = _rows(scores)
-    rows, n = src.shape
-    dev = src.device
-    block = 1024 if n >= 8192 else 256
-    num_chunks, bpc = chunking(rows, n, block, dev)
-    meta = torch.zeros(rows, 4, dtype=torch.int32, device=dev)
-    gt = torch.empty(rows, num_chunks, dtype=torch.int32, device=dev)
-    eq = torch.empty(rows, num_chunks, dtype=torch.int32, device=dev)
-    hist = torch.empty(rows, num_chunks, 1 << 11, dtype=torch.int32, device=dev)
-    for level, (shift, nbits) in enumerate(_FLOAT_LEVELS):
-        first, last = level == 0, level == len(_FLOAT_LEVELS) - 1
-        h = hist.view(-1)[: rows * num_chunks << nbits].view(rows, num_chunks, 1 << nbits)
-        _hist_kernel[(num_chunks, rows)](
-            src,
-            h,
-            meta,
-            n,
-            src.stride(0),
-            0,
-            num_chunks,
-            bpc,
-            SHIFT=shift,
-            NBITS=nbits,
-            FIRST=first,
-            IS_FLOAT=True,
-            BLOCK=block,
-        )
-        _threshold_kernel[(rows,)](
-            h, meta, gt, eq, k, num_chunks, 1 << nbits, NBITS=nbits, FIRST=first, LAST=last
-        )
-    out = torch.empty(rows, k, dtype=torch.int64, device=dev)
-    _compact_kernel[(num_chunks, rows)](
-        src, out, meta, gt, eq, n, src.stride(0), 0, k, num_chunks, bpc, IS_FLOAT=True, BLOCK=block
-    )
-    return out.reshape(*scores.shape[:-1], k)
+    nbits = INT_DIGIT_BITS if HIST_MODE["mode"] == "onehot" else FLOAT_DIGIT_BITS
+    return _select(scores, k, 0, triton.cdiv(32, nbits), nbits, True)
