@@ -2,8 +2,13 @@
 
 Per sparse layer and kv head, a hash maps a vector x (query or key, d dims) to `bits` signs:
 
-    mlp:     code(x) = sign(W2 · SiLU(W1 · x̂ + b1))          d -> hidden -> bits
+    mlp:     code(x) = sign(W · x̂ + W2 · SiLU(W1 · x̂ + b1))   d -> hidden (default d) -> bits
     linear:  code(x) = sign(W · x̂)                            d -> bits (trainable angular LSH)
+
+W starts as stacked random rotations (angular LSH, Spotlight appendix A.5) and W2 at zero, so an untrained MLP
+hash *is* angular LSH and training learns the non-linear residual on top of it (the authors' code also adds a
+residual to the paper's W2·SiLU(W1·x + b1); a pure N(0, 1e-3) MLP starts from chance and needs far more steps
+than a CPU budget allows).
 
 with x̂ = (x - mean) / scale a fixed per-head normalisation measured on calibration text (keys are centred,
 which never changes a query's ranking of keys; queries are only scaled). Query heads use the hash of their kv
@@ -15,8 +20,8 @@ Which hash a layer uses (option `checkpoint`):
 
 - ``"auto"`` (default): the checkpoint shipped in ``sparsekv/data`` when the model has its shape (the embedded
   default model, SmolLM2-135M: 30 layers, 9/3 heads, head_dim 64); for any other shape an *untrained* MLP hash
-  initialised from `seed` (N(0, 1e-3) weights, as the authors do). That keeps spotlight usable on every model
-  without a warning, but an untrained hash selects little better than chance: train one with
+  initialised from `seed`, which is angular LSH with 128 bits (no key centring: that needs calibration). That
+  keeps spotlight usable on every model without a warning, at LSH quality; for the learned quality train one with
   ``sparsekv train-hash --model <model> --output hash.safetensors`` and pass ``checkpoint=hash.safetensors``.
 - ``"none"``: always the untrained hash (a baseline).
 - a path to a ``.safetensors`` file written by ``sparsekv train-hash``: it must match the model (layer count,
@@ -48,7 +53,6 @@ FORMAT_VERSION = 1
 METADATA_KEY = "sparsekv"
 #: the checkpoint shipped for the embedded default model
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "spotlight-smollm2-135m.safetensors"
-INIT_STD = 1e-3
 
 
 def softsign(x: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -71,14 +75,15 @@ class LayerHash(nn.Module):
         if not isinstance(bits, int) or bits < 1:
             raise ConfigError(f"bits must be a positive int, got {bits!r}")
         self.kind, self.bits, self.num_heads, self.head_dim = kind, bits, num_heads, head_dim
-        self.hidden = hidden or bits
+        self.hidden = (hidden or head_dim) if kind == "mlp" else None
         h, d = num_heads, head_dim
+        # the linear part: angular LSH hyperplanes (random rotations); the MLP adds a residual branch to it
+        self.w = nn.Parameter(random_rotations(h, d, bits, generator))
         if kind == "mlp":
-            self.w1 = nn.Parameter(torch.randn(h, d, self.hidden, generator=generator) * INIT_STD)
+            self.w1 = nn.Parameter(torch.randn(h, d, self.hidden, generator=generator) * d**-0.5)
             self.b1 = nn.Parameter(torch.zeros(h, self.hidden))
-            self.w2 = nn.Parameter(torch.randn(h, self.hidden, bits, generator=generator) * INIT_STD)
-        else:
-            self.w = nn.Parameter(random_rotations(h, d, bits, generator))
+            # zero-initialised last layer: the untrained MLP hash is exactly the angular LSH above
+            self.w2 = nn.Parameter(torch.zeros(h, self.hidden, bits))
         # calibration normalisation (identity until set_normalisation)
         self.register_buffer("key_mean", torch.zeros(h, d))
         self.register_buffer("key_scale", torch.ones(h))
@@ -98,10 +103,11 @@ class LayerHash(nn.Module):
 
     def forward(self, x: torch.Tensor, role: str) -> torch.Tensor:
         x = self.normalise(x.to(self.key_mean.dtype), role)
+        out = torch.einsum("...htd,hdb->...htb", x, self.w)
         if self.kind == "linear":
-            return torch.einsum("...htd,hdb->...htb", x, self.w)
+            return out
         hidden = torch.einsum("...htd,hde->...hte", x, self.w1) + self.b1[:, None, :]
-        return torch.einsum("...hte,heb->...htb", nn.functional.silu(hidden), self.w2)
+        return out + torch.einsum("...hte,heb->...htb", nn.functional.silu(hidden), self.w2)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.state_dict().items()}
@@ -161,7 +167,7 @@ def save_checkpoint(path: str | Path, layers: dict[int, LayerHash], fingerprint:
         "version": FORMAT_VERSION,
         "hash": first.kind,
         "bits": first.bits,
-        "hidden": first.hidden if first.kind == "mlp" else None,
+        "hidden": first.hidden,
         "layers": sorted(layers),
         "fingerprint": fingerprint,
         "training": training,
