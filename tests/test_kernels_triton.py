@@ -139,3 +139,76 @@ def test_sign_hash_triton(impl, mlp):
 
     flips = popcount32(out ^ ref).sum().item()
     assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
+
+
+def _mod(name):
+    return importlib.import_module(f"sparsekv.kernels.{name}")
+
+
+@here
+@pytest.mark.parametrize("reduce", ["sum", "max", "none"])
+def test_quest_triton(impl, reduce):
+    from sparsekv.kernels.quest import quest_page_scores_reference
+
+    gen = torch.Generator().manual_seed(21)
+    query = torch.randn(2, 6, 2, 48, generator=gen)
+    mn = torch.randn(2, 3, 37, 48, generator=gen)
+    mx = mn + torch.rand(2, 3, 37, 48, generator=gen)
+    ref = quest_page_scores_reference(query, mn, mx, group_reduce=reduce)
+    out = _mod("_quest_triton").quest_page_scores_triton(
+        *(t.to(DEV) for t in (query, mn, mx)), group_reduce=reduce
+    )
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@here
+def test_int4_qk_triton(impl, per_head):
+    from sparsekv.kernels.int4_qk import int4_qk_reference, quantize_int4
+
+    gen = torch.Generator().manual_seed(22)
+    keys = torch.randn(2, 2, 300, 64, generator=gen)
+    packed, scale, zero = quantize_int4(keys)
+    query = torch.randn(2, 8, 1, 64, generator=gen)
+    s = 8 if per_head else 2
+    idx = torch.randint(0, 300, (2, s, 1, 77), generator=gen)
+    ref = int4_qk_reference(query.half().float(), packed, scale, zero, idx)
+    out = _mod("_int4_triton").int4_qk_triton(*(t.to(DEV) for t in (query, packed, scale, zero, idx))).cpu()
+    assert (out - ref).norm() / ref.norm() < 1e-3
+
+
+@here
+def test_top_p_triton(impl):
+    from sparsekv.kernels.top_p import top_p_threshold_reference
+
+    gen = torch.Generator().manual_seed(23)
+    w = torch.softmax(torch.randn(5, 333, generator=gen) * 3, -1)
+    valid = torch.rand(5, 333, generator=gen) < 0.8
+    w[4] = 0.0  # all-zero row: keeps its first valid entry
+    for p in (0.6, 0.95):
+        ref = top_p_threshold_reference(w, valid, p)
+        out = _mod("_top_p_triton").top_p_threshold_triton(w.to(DEV), valid.to(DEV), p).cpu()
+        assert not bool((out & ~valid).any())
+        diff = out ^ ref  # summation order may move the threshold by rounding: differences sit at it
+        wv = torch.where(valid, w, 0.0)
+        for r in range(5):
+            assert wv[r][out[r]].sum() >= p * wv[r].sum() - 1e-4
+            if diff[r].any():
+                thr = wv[r][ref[r]].min()
+                assert bool(((wv[r][diff[r]] - thr).abs() < 1e-4).all())
+
+
+@here
+def test_lut_triton(impl):
+    from sparsekv.kernels.bits import pack_sign_bits
+    from sparsekv.kernels.lut_score import lut_scores_reference
+
+    gen = torch.Generator().manual_seed(24)
+    d = 64
+    keys = torch.randn(1, 2, 301, d, generator=gen)
+    cent = torch.randn(1, 2, d // 4, 16, 4, generator=gen)
+    codes = pack_sign_bits(keys)
+    query = torch.randn(1, 4, 2, d, generator=gen)
+    ref = lut_scores_reference(query, cent, codes)
+    out = _mod("_lut_triton").lut_scores_triton(*(t.to(DEV) for t in (query, cent, codes))).cpu()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)

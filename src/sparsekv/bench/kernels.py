@@ -58,16 +58,14 @@ def run_kernels(
         )
     )
     default = dict(ham.TUNE)
-    for blk, nw in ((256, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8)):
-        ham.TUNE.update(block=blk, num_warps=nw)
-        out.append(
-            Row(
-                f"  score+histogram block={blk} warps={nw}",
-                "sweep",
-                graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
-                code_bytes + rows_kv * n * 2,
-            )
-        )
+    for blk, nw, vec in ((512, 4, False), (1024, 4, True), (1024, 4, False), (256, 4, True), (2048, 8, True)):
+        ham.TUNE.update(block=blk, num_warps=nw, vec=vec)
+        out.append(Row(f"  score+histogram block={blk} warps={nw} vec={vec}", "sweep",
+                       graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
+                       code_bytes + rows_kv * n * 2))  # fmt: skip
+        out.append(Row(f"  scores int32 block={blk} warps={nw} vec={vec}", "sweep",
+                       graph_us(lambda i: ham.hamming_scores_triton(qc[i], kc[i], bits=bits), L),
+                       code_bytes + rows_kv * n * 4))  # fmt: skip
     ham.TUNE.update(default)
     states = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
     out.append(
@@ -98,11 +96,11 @@ def run_kernels(
     for stage in ("levels", "compact"):
         out.append(Row(f"  select stage: {stage}", "sweep", graph_us(lambda i, st=stage: sub(i, st), L),
                        rows_kv * n * 2))  # fmt: skip
-    tk.HIST_MODE["mode"] = "atomic"
-    out.append(Row("  score+histogram with tl.histogram (atomic)", "sweep",
+    tk.HIST_MODE["mode"] = "onehot"
+    out.append(Row("  score+histogram with one-hot histogram", "sweep",
                    graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
                    code_bytes + rows_kv * n * 2))  # fmt: skip
-    tk.HIST_MODE["mode"] = "onehot"
+    tk.HIST_MODE["mode"] = "atomic"
     int_scores = [st[0] for st in states]  # int16 [B, Hkv, 1, N]
     out.append(
         Row(
@@ -128,16 +126,12 @@ def run_kernels(
     fs = [torch.randn(batch, hq, 1, n, device=dev, generator=gen) for _ in range(Lf)]
     out.append(
         Row(
-            "select_topk float (7x5-bit radix, one-hot)",
+            "select_topk float (4x8-bit radix)",
             f"{rows_q} rows x {n} fp32, k={k}",
             graph_us(lambda i: tk.select_topk_float(fs[i], k), Lf),
-            4 * fl_bytes + rows_q * k * 8,
+            5 * fl_bytes + rows_q * k * 8,
         )
     )
-    tk.HIST_MODE["mode"] = "atomic"
-    out.append(Row("  select_topk float, tl.histogram 4x8-bit", "sweep",
-                   graph_us(lambda i: tk.select_topk_float(fs[i], k), Lf), 5 * fl_bytes))  # fmt: skip
-    tk.HIST_MODE["mode"] = "onehot"
     out.append(
         Row(
             "torch.topk fp32 q-head rows",
@@ -147,6 +141,41 @@ def run_kernels(
         )
     )
     fs = None  # free the memory before the next section
+    # --- the other scorers (Quest pages, Twilight INT4 estimate + top-p, self-index LUT)
+    from sparsekv.kernels import _int4_triton, _lut_triton, _quest_triton, _top_p_triton
+
+    pages = n // 16
+    qb = [torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+    pmin = [
+        torch.randn(batch, hkv, pages, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)
+    ]
+    pmax = [m + 1 for m in pmin]
+    out.append(Row("quest_page_scores (GQA sum)", f"B{batch} Hkv{hkv} pages{pages} d{d} bf16",
+                   graph_us(lambda i: _quest_triton.quest_page_scores_triton(qb[i], pmin[i], pmax[i]), 2),
+                   2 * rows_kv * pages * d * 2 + rows_kv * pages * 4))  # fmt: skip
+    pmin = pmax = None
+    cand = n // 4  # Twilight's conservative first-stage budget
+    packed = [torch.randint(0, 256, (batch, hkv, n, d // 2), device=dev, dtype=torch.uint8, generator=gen)
+              for _ in range(2)]  # fmt: skip
+    scl = [torch.rand(batch, hkv, n, device=dev, generator=gen) for _ in range(2)]
+    cidx = [torch.randint(0, n, (batch, hkv, 1, cand), device=dev, generator=gen) for _ in range(2)]
+    out.append(Row("int4_qk (gathered candidates)", f"B{batch} Hq{hq} K{cand} d{d}",
+                   graph_us(lambda i: _int4_triton.int4_qk_triton(qb[i], packed[i], scl[i], scl[i], cidx[i]), 2),
+                   rows_kv * cand * (d // 2 + 8 + 8) + batch * hq * cand * 4))  # fmt: skip
+    packed = scl = cidx = None
+    Lp = 4
+    wts = [torch.softmax(torch.randn(batch * hq, cand, device=dev, generator=gen) * 3, -1) for _ in range(Lp)]
+    vmask = torch.ones(batch * hq, cand, dtype=torch.bool, device=dev)
+    out.append(Row("top_p_threshold p=0.9 (bisection)", f"{batch * hq} rows x {cand}",
+                   graph_us(lambda i: _top_p_triton.top_p_threshold_triton(wts[i], vmask, 0.9), Lp),
+                   batch * hq * cand * (4 + 1 + 1)))  # fmt: skip
+    wts = None
+    lcodes = [rnd_codes(batch, hkv, n, d // 32) for _ in range(2)]
+    cent = torch.randn(batch, hkv, d // 4, 16, 4, device=dev, generator=gen)
+    out.append(Row("lut_scores (self-index)", f"B{batch} Hkv{hkv} N{n} d{d}",
+                   graph_us(lambda i: _lut_triton.lut_scores_triton(qb[i], cent, lcodes[i]), 2),
+                   rows_kv * n * (d // 8 + 4)))  # fmt: skip
+    lcodes = qb = None
     # --- attention
     dt = torch.bfloat16
     kv_bytes = 2 * rows_kv * n * d * 2

@@ -20,7 +20,7 @@ from sparsekv.kernels._topk_triton import (
 from sparsekv.kernels._triton import next_pow2
 
 # launch parameters of the scorer (the kernel benchmark sweeps them)
-TUNE = {"block": 512, "num_warps": 4}
+TUNE = {"block": 512, "num_warps": 4, "vec": True}
 
 
 @triton.jit
@@ -53,6 +53,7 @@ def _hamming_kernel(
     LEVELS: tl.constexpr,
     FULL: tl.constexpr,
     ONEHOT: tl.constexpr,
+    VEC: tl.constexpr,
     USE_POPC: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -72,12 +73,12 @@ def _hamming_kernel(
     for i in range(blocks_per_chunk):
         offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
         nmask = offs < N
-        kc = tl.load(
-            # unit stride between a token's words and W between tokens (constexpr): one 16-byte load per token
-            k_base + offs[:, None].to(tl.int64) * W + w[None, :],
-            mask=nmask[:, None] & wmask[None, :],
-            other=0,
-        )
+        if VEC:
+            # W (constexpr) between tokens, unit stride between a token's words: one 16-byte load per token
+            kptrs = k_base + offs[:, None].to(tl.int64) * W + w[None, :]
+        else:
+            kptrs = k_base + offs[:, None].to(tl.int64) * skn + w[None, :]
+        kc = tl.load(kptrs, mask=nmask[:, None] & wmask[None, :], other=0)
         diff = tl.zeros([BLOCK, WP], dtype=tl.int32)
         for hh in tl.static_range(G):
             qc = tl.load(q_base + hh * sqh + w, mask=wmask, other=0)
@@ -99,7 +100,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
     b, hq, q, w = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     g = hq // hkv
-    if key_codes.stride(-1) != 1 or key_codes.stride(-2) != w:
+    if key_codes.stride(-1) != 1 or (TUNE["vec"] and key_codes.stride(-2) != w):
         key_codes = key_codes.contiguous()
     if query_codes.stride(-1) != 1:
         query_codes = query_codes.contiguous()
@@ -135,6 +136,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
         NBITS=nbits,
         LEVELS=levels,
         FULL=bits == 32 * w,
+        VEC=TUNE["vec"],
         ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
         num_warps=TUNE["num_warps"],

@@ -14,7 +14,7 @@ import triton.language as tl
 from sparsekv.kernels._triton import next_pow2
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
-TUNE = {"block": 64, "sm_mult": 2, "num_warps": 4, "num_stages": 2}
+TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit

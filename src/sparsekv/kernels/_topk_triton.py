@@ -64,7 +64,7 @@ def derive_threshold(
 # how level histograms are built: "onehot" (compare with every bin, reduce over the block: ~2 ops per element
 # and bin, no atomics) or "atomic" (tl.histogram: shared-memory atomics, slow under the heavy contention of
 # concentrated scores). The kernel benchmark sweeps this.
-HIST_MODE = {"mode": "onehot"}
+HIST_MODE = {"mode": "atomic"}
 
 
 @triton.jit
@@ -166,13 +166,17 @@ def _compact_kernel(
         nmask = offs < N
         key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
-        m_eq = nmask & (key == thr)
-        cg = tl.cumsum(m_gt.to(tl.int32), axis=0)
-        tl.store(out_row + base_gt + cg - 1, offs.to(tl.int64), mask=m_gt)
-        rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-        tl.store(out_row + cnt_gt + rank, offs.to(tl.int64), mask=m_eq & (rank < need_eq))
-        base_gt += tl.sum(m_gt.to(tl.int32), axis=0)
-        base_eq += tl.sum(m_eq.to(tl.int32), axis=0)
+        m_eq = nmask & (key == thr) & (base_eq < need_eq)
+        # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
+        packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
+        total = tl.sum(packed, axis=0)
+        if total != 0:
+            cs = tl.cumsum(packed, axis=0)
+            tl.store(out_row + base_gt + (cs & 0xFFFF) - 1, offs.to(tl.int64), mask=m_gt)
+            rank = base_eq + (cs >> 16) - 1
+            tl.store(out_row + cnt_gt + rank, offs.to(tl.int64), mask=m_eq & (rank < need_eq))
+            base_gt += total & 0xFFFF
+            base_eq += total >> 16
 
 
 def chunking(rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128) -> tuple[int, int]:
@@ -213,6 +217,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
 def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc):
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic."""
     rows, n = src.shape
+    assert block < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
     out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, n, src.stride(0), lo, k, rows, num_chunks, bpc,

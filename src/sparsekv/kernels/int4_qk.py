@@ -56,7 +56,8 @@ def int4_qk(
     """Estimated q.k over candidate indices from INT4 keys: [B, Hq, Q, K] fp32."""
     from sparsekv.kernels._triton import kernel, use_triton
 
-    if use_triton(query, packed, indices) and indices.shape[-1] > 0:
+    half = query.shape[-1] // 2
+    if use_triton(query, packed, indices) and indices.shape[-1] > 0 and half >= 16 and half & (half - 1) == 0:
         impl = kernel("_int4_triton", "int4_qk_triton")
         if impl is not None:
             return impl(query, packed, scale, zero, indices)

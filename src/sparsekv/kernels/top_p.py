@@ -34,7 +34,8 @@ def top_p_threshold_reference(weights: torch.Tensor, valid: torch.Tensor, p: flo
     keep = valid & (w > low)
     # all-equal or single-weight rows: w > low can exclude everything; keep the row's maximum
     empty = ~keep.any(-1, keepdim=True) & valid.any(-1, keepdim=True)
-    top = torch.zeros_like(keep).scatter_(-1, w.argmax(-1, keepdim=True), True) & valid
+    best = torch.where(valid, w, torch.full((), float("-inf"), device=w.device)).argmax(-1, keepdim=True)
+    top = torch.zeros_like(keep).scatter_(-1, best, True) & valid
     return torch.where(empty, top, keep)
 
 
