@@ -1,0 +1,242 @@
+"""Evaluation harness, the pure parts: scorers, RULER task generators (exact answers), IoU maths, compare table,
+result cache, CLI parsing. No model needed."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.eval.common import ResultCache, config_key, describe
+from sparsekv.eval.haystack import NEEDLE, QUESTION
+from sparsekv.eval.ruler import TASKS, Resources, generate_sample
+from sparsekv.eval.scoring import (
+    default_keywords,
+    keyword_recall,
+    rougeL_f,
+    rougeL_recall,
+    string_match_all,
+    string_match_part,
+)
+
+# ---------------------------------------------------------------------------------------------------- scorers
+
+
+def test_rougeL_recall_counts_the_needle_tokens_recovered_in_order():
+    # the needle has 21 rouge tokens; the answer brings back 8 of them as a common subsequence
+    assert rougeL_recall("Eat a sandwich and sit in Dolores Park.", NEEDLE) == pytest.approx(8 / 21)
+    assert rougeL_recall(NEEDLE, NEEDLE) == 1.0
+    assert rougeL_recall("", NEEDLE) == 0.0
+
+
+def test_rougeL_f_is_one_for_identical_outputs_and_symmetric():
+    assert rougeL_f("the cat sat", "the cat sat") == 1.0
+    assert rougeL_f("!!", "!!") == 1.0  # nothing rouge-score can tokenize, but identical
+    # LCS 2 of 3 and 2 of 4 tokens: P = 2/3, R = 2/4 -> F = 4/7
+    assert rougeL_f("the cat sat", "the dog cat ran") == pytest.approx(4 / 7)
+    assert rougeL_f("the dog cat ran", "the cat sat") == pytest.approx(4 / 7)
+
+
+def test_keyword_recall_is_case_and_punctuation_insensitive_and_matches_word_starts():
+    keywords = ["sandwich", "Dolores Park", "sunny"]
+    assert keyword_recall("Eat SANDWICHES in dolores-park!", keywords) == pytest.approx(2 / 3)
+    assert keyword_recall("a sunny day, a sandwich, Dolores Park", keywords) == 1.0
+    assert keyword_recall("unsunny", ["sunny"]) == 0.0  # word starts only
+    with pytest.raises(ValueError):
+        keyword_recall("x", [])
+
+
+def test_default_keywords_drop_what_the_question_already_says():
+    assert default_keywords(NEEDLE, QUESTION) == ["eat", "sandwich", "sit", "dolores", "park", "sunny", "day"]
+
+
+def test_string_match_all_and_part():
+    assert string_match_all("The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"]) == 2 / 3
+    assert string_match_part("The numbers are 1234567.", ["9999999", "1234567"]) == 1.0
+    assert string_match_part("nothing", ["9999999"]) == 0.0
+    assert string_match_all("Answer: ABCDE", ["abcde"]) == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------- RULER
+
+
+def _resources() -> Resources:
+    syllables = (["ka", "lo", "mi", "nu", "po", "ra"], ["be", "di", "fo", "gu", "ha"],
+                 ["sk", "tr", "pl", "mn", "zz", "qq", "xv", "wy", "yt", "jj"])  # fmt: skip
+    words = tuple(a + b + c for a in syllables[0] for b in syllables[1] for c in syllables[2])
+    sentences = tuple(f"Sentence number {i} talks about {words[i % len(words)]} and nothing else." for i in range(400))
+    return Resources(sentences, words)
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+def sample(task: str, length: int = 400, index: int = 0, seed: int = 0):
+    return generate_sample(task, length, index, seed, count_words, _resources())
+
+
+# pinned: a change here means previously published RULER numbers can no longer be reproduced
+PINNED = {
+    "niah_single": ("8881869",),
+    "niah_multikey": ("3823121",),
+    "niah_multivalue": ("2366244", "4840528", "7892041", "9792762"),
+    "variable_tracking": ("JQDAN", "SUERA", "XSVND", "MSZPG", "CGEKC"),
+    "common_words": ("radizz", "pofomn", "rahaxv", "nubezz", "mibeyt", "mihask", "lofomn", "poguqq", "mifopl",
+                     "rabexv"),
+    "freq_words": ("yotc", "vixlf", "ptqlcv"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_generated_sample_is_reproducible_fits_the_length_and_is_pinned(task):
+    first, again = sample(task), sample(task)
+    assert first == again
+    assert first.answers == PINNED[task]
+    assert 400 - 12 <= count_words(first.context) <= 400
+    assert sample(task, index=1).answers != first.answers
+    assert sample(task, seed=1).answers != first.answers
+    assert first.score(" ".join(first.answers)) == 1.0
+    assert first.score("no idea") == 0.0
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue"])
+def test_niah_answers_are_the_numbers_of_the_asked_key(task):
+    s = sample(task)
+    needles = re.findall(r"One of the special magic numbers for (\S+) is: (\d+)\.", s.context)
+    key = re.search(r"numbers? for (\S+) mentioned", s.context.splitlines()[-1]).group(1)
+    assert key in s.answer_prefix
+    assert sorted(v for k, v in needles if k == key) == sorted(s.answers)
+    assert len(needles) == {"niah_single": 1, "niah_multikey": 4, "niah_multivalue": 4}[task]
+    assert len({k for k, _ in needles}) == (4 if task == "niah_multikey" else 1)
+
+
+def test_variable_tracking_answers_are_every_variable_holding_the_value():
+    s = sample("variable_tracking")
+    value = re.search(r"the value (\d+)", s.context.splitlines()[-1]).group(1)
+    assignments = re.findall(r"VAR ([A-Z]{5}) = (VAR [A-Z]{5}|\d+)\.", s.context)
+    holds = set()
+    for name, rhs in assignments:  # chain statements appear in order
+        if rhs == value or rhs.removeprefix("VAR ") in holds:
+            holds.add(name)
+    assert holds == set(s.answers) and len(s.answers) == 5
+
+
+def test_common_words_answers_are_the_ten_most_frequent_list_entries():
+    s = sample("common_words", length=600)
+    counts = Counter(re.findall(r"\d+\. ([a-z]+)", s.context)).most_common()
+    assert {w for w, _ in counts[:10]} == set(s.answers)
+    assert counts[9][1] > counts[10][1]
+
+
+def test_freq_words_answers_are_the_three_most_frequent_coded_words_in_order():
+    s = sample("freq_words")
+    body = s.context.splitlines()[1]
+    counts = Counter(body.split()).most_common(4)
+    assert tuple(w for w, _ in counts[:3]) == s.answers
+    assert counts[0][1] > counts[1][1] > counts[2][1] > counts[3][1]
+
+
+def test_ruler_rejects_unknown_tasks_and_too_short_lengths():
+    with pytest.raises(ConfigError, match="unknown ruler task"):
+        sample("qa_single")
+    with pytest.raises(ConfigError, match="too few"):
+        sample("common_words", length=30)
+
+
+# ---------------------------------------------------------------------------------------------------- IoU maths
+
+
+def test_compare_selection_iou_recall_and_mass_against_the_oracle():
+    from sparsekv.eval.iou import compare_selection
+    from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection
+
+    layer = LayerInfo(layer_idx=2, num_layers=4, num_heads=1, num_kv_heads=1, head_dim=1, scaling=1.0)
+    keys = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).view(1, 1, 6, 1)
+    query = torch.ones(1, 1, 1, 1)  # weights grow with the key: oracle top-3 = {3, 4, 5}
+    step = DecodeStep(query=query, keys=keys, values=keys, visible=torch.ones(1, 1, 6, dtype=torch.bool),
+                      forced=torch.zeros(1, 1, 6, dtype=torch.bool), budgets=torch.tensor([[3]]), layer=layer,
+                      gqa="group")  # fmt: skip
+    selection = Selection(indices=torch.tensor([[[[5, 4, 0]]]]), valid=torch.ones(1, 1, 1, 3, dtype=torch.bool))
+    metrics = compare_selection(step, selection)
+    weights = torch.softmax(torch.arange(6.0), -1)
+    assert metrics["iou"].item() == pytest.approx(2 / 4)
+    assert metrics["recall"].item() == pytest.approx(2 / 3)
+    assert metrics["mass"].item() == pytest.approx(float(weights[[0, 4, 5]].sum()), rel=1e-5)
+    assert metrics["oracle_mass"].item() == pytest.approx(float(weights[3:].sum()), rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------- compare
+
+
+def test_markdown_table_lists_values_tokens_errors_and_missing_methods():
+    from sparsekv.eval.compare import CompareResult, markdown_table
+
+    result = CompareResult(task="ppl", methods=["dense", "oracle-topk", "quest"], budgets=[0.02, 0.1],
+                           missing=["spotlight"], rows=[
+        {"method": "dense", "budget": None, "value": 20.0, "avg_budget_tokens": None, "error": None},
+        {"method": "oracle-topk", "budget": 0.02, "value": 25.5, "avg_budget_tokens": 40.2, "error": None},
+        {"method": "oracle-topk", "budget": 0.1, "value": 21.0, "avg_budget_tokens": 201.0, "error": None},
+        {"method": "quest", "budget": 0.02, "value": None, "avg_budget_tokens": None, "error": "ConfigError: x"},
+        {"method": "quest", "budget": 0.1, "value": 22.25, "avg_budget_tokens": 200.0, "error": None},
+    ])  # fmt: skip
+    table = markdown_table(result)
+    lines = table.splitlines()
+    assert lines[0] == "| method (perplexity, lower is better) | budget 2% | budget 10% |"
+    assert lines[2] == "| dense | 20.00 | 20.00 |"
+    assert lines[3] == "| oracle-topk | 25.50 (40 tok) | 21.00 (201 tok) |"
+    assert lines[4] == "| quest | error | 22.25 (200 tok) |"
+    assert "- not registered in this build: spotlight" in table
+    assert "- quest @ budget 2%: ConfigError: x" in table
+
+
+def test_run_compare_runs_dense_once_reports_missing_and_survives_failures():
+    from sparsekv.eval.compare import run_compare
+
+    calls = []
+
+    def run(config):
+        calls.append(describe(config))
+        if config.method == "streaming" and config.budget == 0.02:
+            raise RuntimeError("boom")
+        return {"ppl": 10.0 if config.method == "dense" else 12.0, "avg_budget_tokens": 5.0}
+
+    result = run_compare("ppl", run, ["dense", "streaming", "not-a-method"], [0.02, 0.1],
+                         options={"sink_tokens": 2, "oracle-topk:bogus": 1})  # fmt: skip
+    assert calls == ["dense", "streaming@0.02 sink_tokens=2", "streaming@0.1 sink_tokens=2"]
+    assert result.missing == ["not-a-method"]
+    errors = [r for r in result.rows if r["error"]]
+    assert len(errors) == 1 and errors[0]["error"] == "RuntimeError: boom"
+
+
+# ---------------------------------------------------------------------------------------------------- cache, CLI parsing
+
+
+def test_result_cache_keys_and_resume(tmp_path):
+    cache = ResultCache(tmp_path)
+    key = {"model": "m", "config": config_key(SparseConfig(method="oracle-topk", budget=0.1))}
+    calls = []
+    compute = lambda: calls.append(1) or {"value": 1.5}  # noqa: E731
+    assert cache.cached("ppl", key, compute) == {"value": 1.5}
+    assert cache.cached("ppl", key, compute) == {"value": 1.5}
+    assert len(calls) == 1 and cache.hits == 1
+    other = {**key, "config": config_key(SparseConfig(method="oracle-topk", budget=0.2))}
+    cache.cached("ppl", other, compute)
+    assert len(calls) == 2
+    # a dense config ignores budget/options; a sparse one carries the digest of its method's source
+    assert config_key(SparseConfig(method="dense", budget=0.3)) == {"method": "dense"}
+    assert len(config_key(SparseConfig(method="oracle-topk"))["source"]) == 12
+
+
+def test_cli_parsers():
+    from sparsekv.eval.cli import parse_budgets, parse_depths, parse_ints
+
+    assert parse_ints("500,1K,2.5k", "--lengths") == (500, 1000, 2500)
+    assert parse_depths("0,0.5,1") == (0.0, 0.5, 1.0)
+    assert parse_depths("0,50,100") == (0.0, 0.5, 1.0)
+    assert parse_budgets("0.02,0.1,256") == [0.02, 0.1, 256]
+    with pytest.raises(ConfigError):
+        parse_ints("a,b", "--lengths")
