@@ -58,12 +58,20 @@ def run_kernels(
         )
     )
     default = dict(ham.TUNE)
-    for blk, nw, vec in ((512, 4, False), (1024, 4, True), (1024, 4, False), (256, 4, True), (2048, 8, True)):
-        ham.TUNE.update(block=blk, num_warps=nw, vec=vec)
-        out.append(Row(f"  score+histogram block={blk} warps={nw} vec={vec}", "sweep",
+    sweep = (
+        (512, 4, False, 4),
+        (512, 4, True, 16),
+        (1024, 4, True, 16),
+        (256, 4, True, 16),
+        (1024, 8, True, 8),
+    )
+    for blk, nw, vec, pps in sweep:
+        ham.TUNE.update(block=blk, num_warps=nw, vec=vec, progs_per_sm=pps)
+        tag = f"block={blk} warps={nw} vec={vec} progs/SM={pps}"
+        out.append(Row(f"  score+hist {tag}", "sweep",
                        graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
                        code_bytes + rows_kv * n * 2))  # fmt: skip
-        out.append(Row(f"  scores int32 block={blk} warps={nw} vec={vec}", "sweep",
+        out.append(Row(f"  scores int32 {tag}", "sweep",
                        graph_us(lambda i: ham.hamming_scores_triton(qc[i], kc[i], bits=bits), L),
                        code_bytes + rows_kv * n * 4))  # fmt: skip
     ham.TUNE.update(default)

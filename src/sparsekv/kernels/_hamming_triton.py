@@ -20,7 +20,7 @@ from sparsekv.kernels._topk_triton import (
 from sparsekv.kernels._triton import next_pow2
 
 # launch parameters of the scorer (the kernel benchmark sweeps them)
-TUNE = {"block": 512, "num_warps": 4, "vec": True}
+TUNE = {"block": 512, "num_warps": 4, "vec": True, "progs_per_sm": 4}
 
 
 @triton.jit
@@ -108,7 +108,9 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
     out = torch.empty(b, hkv, q, n, dtype=out_dtype, device=key_codes.device)
     block = TUNE["block"] if n >= 8192 else 128
     levels, nbits = radix or (1, 1)
-    num_chunks, bpc = chunking(rows, n, block, key_codes.device, max_chunks=max_chunks(nbits))
+    num_chunks, bpc = chunking(
+        rows, n, block, key_codes.device, max_chunks=max_chunks(nbits), progs_per_sm=TUNE["progs_per_sm"]
+    )
     if radix is not None:
         # level 0 of the radix select is written here; later levels by _topk_triton
         hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=key_codes.device)

@@ -166,7 +166,8 @@ def _compact_kernel(
         nmask = offs < N
         key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
-        m_eq = nmask & (key == thr) & (base_eq < need_eq)
+        m_eq = nmask & (key == thr)
+        m_eq = m_eq & ((base_eq + tl.zeros_like(offs)) < need_eq)  # equal keys past the quota need no scan
         # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
         packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
         total = tl.sum(packed, axis=0)
@@ -179,11 +180,13 @@ def _compact_kernel(
             base_eq += total >> 16
 
 
-def chunking(rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128) -> tuple[int, int]:
+def chunking(
+    rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128, progs_per_sm: int = 4
+) -> tuple[int, int]:
     """(num_chunks, blocks_per_chunk): enough programs to fill the GPU, each streaming several blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     blocks = triton.cdiv(n, block)
-    want_chunks = min(max_chunks, max(1, triton.cdiv(4 * sms, rows)))
+    want_chunks = min(max_chunks, max(1, triton.cdiv(progs_per_sm * sms, rows)))
     blocks_per_chunk = max(1, triton.cdiv(blocks, want_chunks))
     return triton.cdiv(blocks, blocks_per_chunk), blocks_per_chunk
 
