@@ -32,8 +32,9 @@ reproduces dense attention when the budget covers the context.
 Memory: `SelfIndexSelector.memory_breakdown()` and `cache_memory(cache)` measure the bytes of the tensors actually
 held (buffer capacity included), and `sparsekv cache-memory` prints them per token against a bf16 dense cache.
 
-The LUT scoring and 2-bit (de)quantization below are plain-PyTorch references (the kernels package has no
-`lut_score` op yet); `kernels.bits.pack_sign_bits` packs the sign bits.
+GQA "group" scoring goes through `kernels.lut_score` (Triton on CUDA); `lut_scores` below is the torch reference
+used for gqa="head" and float64. The low-bit (de)quantization and the gather-dequantize-attend step are torch
+references here (no kernel yet); `kernels.bits.pack_sign_bits` packs the sign bits.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.kernels.bits import pack_sign_bits
+from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
 
@@ -57,7 +59,7 @@ SNAP_KERNEL = 5  # avg-pooling width of the SnapKV votes
 KV_BITS = (2, 4, 16)
 FP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "input": None}
 _SINK_BASE = 1.0e7  # sink scores: _SINK_BASE + (sinks - rank), exact in float32 and above any LUT score
-_SENTINEL = 2**62  # sink position of an unused sink slot (sorts last, never matches a key)
+_SENTINEL = 2**31 - 1  # sink position of an unused sink slot (sorts last, never matches a key)
 
 # 4-bit value with channel i of the group in bit i  ->  code with channel 0 as the most significant bit
 _BITREV4 = torch.tensor([int(f"{i:04b}"[::-1], 2) for i in range(16)], dtype=torch.uint8)
@@ -86,7 +88,9 @@ def codes_from_sign_bits(words: torch.Tensor, head_dim: int) -> torch.Tensor:
     return _BITREV4.to(words.device)[nibble.long()]
 
 
-def one_pass_centroids(centred: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def one_pass_centroids(
+    centred: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Codebook [B, H, G, 16, 4]: mean of the (centred) key groups having each sign pattern.
 
     centred [B, H, N, d], codes [B, H, N, G], mask [B, N] bool (padding = False) or None. A pattern no key has
@@ -108,7 +112,9 @@ def one_pass_centroids(centred: torch.Tensor, codes: torch.Tensor, mask: torch.T
     return torch.where(counts > 0, sums / counts.clamp(min=1), fallback)
 
 
-def lut_scores(query: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, max_elements: int = 1 << 25) -> torch.Tensor:
+def lut_scores(
+    query: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, max_elements: int = 1 << 25
+) -> torch.Tensor:
     """Compressed-domain q.k: query [B, S, Q, d] (S a multiple of the kv heads), centroids [B, Hkv, G, 16, 4],
     codes [B, Hkv, N, G] -> [B, S, Q, N] = sum_g (q_g . centroid[g, code_g]) in the centroids' dtype.
 
@@ -119,7 +125,9 @@ def lut_scores(query: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor
     hkv, n, groups = codes.shape[1], codes.shape[2], codes.shape[3]
     rep = s // hkv
     cents = centroids.repeat_interleave(rep, dim=1) if rep > 1 else centroids
-    table = torch.einsum("bsqgi,bsgci->bsqgc", query.to(centroids.dtype).unflatten(-1, (groups, GROUP_DIMS)), cents)
+    table = torch.einsum(
+        "bsqgi,bsgci->bsqgc", query.to(centroids.dtype).unflatten(-1, (groups, GROUP_DIMS)), cents
+    )
     table = table.flatten(-2)  # [B, S, Q, G*16]
     offsets = torch.arange(groups, device=codes.device) * 16
     flat = (codes.long() + offsets).flatten(-2)  # [B, Hkv, N*G]
@@ -171,13 +179,19 @@ def quantize(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torc
     lo, hi = g.amin(-1), g.amax(-1)
     zero = lo.to(torch.float16)
     scale = ((hi - zero.to(x.dtype)) / levels).to(torch.float16)
-    scale = torch.where((scale.to(x.dtype) * levels + zero.to(x.dtype)) < hi, torch.nextafter(scale, scale.new_tensor(math.inf)), scale)
+    scale = torch.where(
+        (scale.to(x.dtype) * levels + zero.to(x.dtype)) < hi,
+        torch.nextafter(scale, scale.new_tensor(math.inf)),
+        scale,
+    )
     safe = torch.where(scale > 0, scale.to(x.dtype), torch.ones_like(hi))
     q = torch.round((g - zero.to(x.dtype)[..., None]) / safe[..., None]).clamp(0, levels)
     return pack_bits(q.flatten(-2), bits), scale, zero
 
 
-def dequantize(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, dtype: torch.dtype
+) -> torch.Tensor:
     q = unpack_bits(packed, bits).to(dtype).unflatten(-1, (scale.shape[-1], -1))
     return (q * scale.to(dtype)[..., None] + zero.to(dtype)[..., None]).flatten(-2)
 
@@ -229,11 +243,13 @@ def snap_sinks(
 
 
 class _Buffers:
-    """Named [B, H, capacity, c] tensors grown together along dim 2 (by a small step, to keep the slack low)."""
+    """Named [B, H, capacity, c] tensors grown together along dim 2 by a fixed step (64 tokens: the slack stays
+    small next to 4K+ tokens and appending stays cheap)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0, step: int = 64) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
         self.length = 0
+        self.reserve, self.step = reserve, step
 
     def append(self, **new: torch.Tensor) -> None:
         count = next(iter(new.values())).shape[2]
@@ -241,7 +257,7 @@ class _Buffers:
         for name, value in new.items():
             buf = self.tensors.get(name)
             if buf is None or buf.shape[2] < needed:
-                capacity = needed if buf is None else needed + max(64, needed // 32)
+                capacity = max(needed, self.reserve) if buf is None else needed + self.step
                 grown = value.new_empty(*value.shape[:2], capacity, *value.shape[3:])
                 if buf is not None:
                     grown[:, :, : self.length] = buf[:, :, : self.length]
@@ -309,7 +325,7 @@ class SelfIndexSelector(TokenSelector):
         self.quant_group = quant_group_size(d)
         self._prefilled = False
         self._store = _Buffers()  # sign bits (+ quantized K/V, or full K/V when kv_bits=16)
-        self._tail = _Buffers()  # 16-bit copy of the current residual block(s)
+        self._tail = _Buffers(reserve=self.residual, step=self.residual)  # 16-bit copy of the current block(s)
         self._tail_start = 0
         self.decode_start = 0
         self.mu = self.alpha = self.centroids = None
@@ -327,7 +343,9 @@ class SelfIndexSelector(TokenSelector):
     def _fp_dtype(self, like: torch.Tensor) -> torch.dtype:
         return FP_DTYPES[self.fp_dtype] or like.dtype
 
-    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def store(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._prefilled:
             return key_states, value_states  # the dense prefill needs them; prefill() compresses
         self._append(key_states, value_states)
@@ -335,7 +353,13 @@ class SelfIndexSelector(TokenSelector):
         stand_in = key_states.new_empty(b, h, self._store.length, 0)
         return stand_in, stand_in
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None) -> None:
+    def prefill(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+    ) -> None:
         """Builds mu/alpha/codebook/sinks from the prompt and compresses it. `key_mask` [B, N] (False = padding)
         keeps left padding out of the statistics; without it every prompt position counts."""
         work = self._work_dtype(keys)
@@ -348,11 +372,14 @@ class SelfIndexSelector(TokenSelector):
         masked_abs = centred.abs() * weight[:, None, :, None]
         self.alpha = masked_abs.amax(2, keepdim=True).clamp(min=torch.finfo(work).tiny ** 0.5)
         codes = sign_codes(centred)
-        self.centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
+        centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
+        # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
+        self.centroids = centroids if work == torch.float64 else centroids.to(torch.float16)
         if self.sink_tokens > 0:
-            self.sink_positions, self.sink_rank = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
+            positions, rank = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
+            self.sink_positions, self.sink_rank = positions.to(torch.int32), rank.to(torch.int16)
             if self.compressed:
-                idx = self.sink_positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
+                idx = positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
                 fp = self._fp_dtype(keys)
                 self.sink_keys = keys.gather(2, idx).to(fp)
                 self.sink_values = values.gather(2, idx).to(fp)
@@ -368,7 +395,9 @@ class SelfIndexSelector(TokenSelector):
         if self.compressed:
             mag, mag_scale, mag_zero = quantize(centred.abs() / self.alpha, self.kv_bits, self.quant_group)
             val, val_scale, val_zero = quantize(values.to(work), self.kv_bits, self.quant_group)
-            parts.update(k_mag=mag, k_scale=mag_scale, k_zero=mag_zero, v=val, v_scale=val_scale, v_zero=val_zero)
+            parts.update(
+                k_mag=mag, k_scale=mag_scale, k_zero=mag_zero, v=val, v_scale=val_scale, v_zero=val_zero
+            )
         else:
             parts.update(k_full=keys, v_full=values)
         self._store.append(**parts)
@@ -380,7 +409,7 @@ class SelfIndexSelector(TokenSelector):
         if block > self._tail_start:
             kept = self._tail.length - (block - self._tail_start)
             old = {name: self._tail.view(name)[:, :, -kept:] if kept > 0 else None for name in ("k", "v")}
-            self._tail = _Buffers()
+            self._tail = _Buffers(reserve=self.residual, step=self.residual)
             if old["k"] is not None:
                 self._tail.append(k=old["k"], v=old["v"])
             self._tail_start = block
@@ -395,11 +424,18 @@ class SelfIndexSelector(TokenSelector):
 
     def score(self, step: DecodeStep) -> torch.Tensor:
         layer = step.layer
-        query = step.query.to(self.centroids.dtype)
-        if step.gqa == "group" and layer.group_size > 1:
-            b, _, q, d = query.shape
-            query = query.view(b, layer.num_kv_heads, layer.group_size, q, d).sum(2)
-        scores = lut_scores(query, self.centroids, self.codes()).float()
+        if step.gqa == "group" and step.query.dtype != torch.float64:
+            # the kernels' op (group-summed, Triton on CUDA) indexes centroids by the raw nibble of the packed bits
+            by_nibble = self.centroids.index_select(3, _BITREV4.to(self.centroids.device).long())
+            scores = kernel_lut_scores(step.query, by_nibble, self._store.view("sign_bits"))
+        else:
+            work = torch.float64 if self.centroids.dtype == torch.float64 else torch.float32
+            query = step.query.to(work)
+            if step.gqa == "group" and layer.group_size > 1:
+                b, _, q, d = query.shape
+                query = query.view(b, layer.num_kv_heads, layer.group_size, q, d).sum(2)
+            scores = lut_scores(query, self.centroids.to(work), self.codes())
+        scores = scores.float()
         if self.sink_positions is not None:
             scores = self._boost_sinks(scores)
         return scores
@@ -407,13 +443,15 @@ class SelfIndexSelector(TokenSelector):
     def _boost_sinks(self, scores: torch.Tensor) -> torch.Tensor:
         heads = scores.shape[1]
         rep = heads // self.sink_positions.shape[1]
-        positions = self.sink_positions.repeat_interleave(rep, dim=1) if rep > 1 else self.sink_positions
-        rank = self.sink_rank.repeat_interleave(rep, dim=1) if rep > 1 else self.sink_rank
+        positions = self.sink_positions.long().repeat_interleave(rep, dim=1)
+        rank = self.sink_rank.long().repeat_interleave(rep, dim=1)
         used = positions < _SENTINEL
         boost = (_SINK_BASE + (positions.shape[-1] - rank)).to(scores.dtype)
         index = positions.clamp(max=scores.shape[-1] - 1)[:, :, None].expand(-1, -1, scores.shape[2], -1)
         current = scores.gather(-1, index)
-        return scores.scatter(-1, index, torch.where(used[:, :, None], boost[:, :, None].expand_as(current), current))
+        return scores.scatter(
+            -1, index, torch.where(used[:, :, None], boost[:, :, None].expand_as(current), current)
+        )
 
     def select(self, step: DecodeStep) -> Selection:
         """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
@@ -445,11 +483,17 @@ class SelfIndexSelector(TokenSelector):
             hi = min(q_len, lo + chunk)
             positions = torch.arange(n - q_len + lo, n - q_len + hi, device=query.device)
             out[:, :, lo:hi] = self._attend_chunk(
-                query[:, :, lo:hi], selection.indices[:, :, lo:hi], selection.valid[:, :, lo:hi], positions, scaling
+                query[:, :, lo:hi],
+                selection.indices[:, :, lo:hi],
+                selection.valid[:, :, lo:hi],
+                positions,
+                scaling,
             )
         return out
 
-    def gather_dequantized(self, indices: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_dequantized(
+        self, indices: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """indices [B, S, Q, K] (S = kv heads or query heads), positions [Q] of the queries ->
         K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit)."""
         b, s, q, k = indices.shape
@@ -475,7 +519,7 @@ class SelfIndexSelector(TokenSelector):
         values = dequantize(gather("v"), gather("v_scale"), gather("v_zero"), self.kv_bits, work)
 
         if self.sink_positions is not None and self.sink_keys is not None:
-            sink_pos = per_sel_head(self.sink_positions)
+            sink_pos = per_sel_head(self.sink_positions.long())
             flat_idx = indices.reshape(b, s, q * k).contiguous()
             slot = torch.searchsorted(sink_pos.contiguous(), flat_idx).clamp(max=sink_pos.shape[-1] - 1)
             is_sink = (sink_pos.gather(-1, slot) == flat_idx).view(b, s, q, k, 1)
@@ -486,7 +530,9 @@ class SelfIndexSelector(TokenSelector):
             values = torch.where(is_sink, sink_v, values)
 
         if self.residual > 0 and self._tail.length > 0:
-            block = self.decode_start + (positions - self.decode_start) // self.residual * self.residual  # [Q]
+            block = (
+                self.decode_start + (positions - self.decode_start) // self.residual * self.residual
+            )  # [Q]
             in_block = (indices >= block[None, None, :, None]) & (indices >= self._tail_start)
             local = (indices - self._tail_start).clamp(0, self._tail.length - 1)
             flat = local.reshape(b, s, q * k, 1).expand(-1, -1, -1, d)
@@ -559,8 +605,10 @@ def cache_memory(cache) -> dict:
                 batch = selector.mu.shape[0]
         else:
             dense_layers += 1
-            parts = {"dense_layers_kv": _nbytes(getattr(layer, "_key_buffer", None))
-                     + _nbytes(getattr(layer, "_value_buffer", None))}
+            parts = {
+                "dense_layers_kv": _nbytes(getattr(layer, "_key_buffer", None))
+                + _nbytes(getattr(layer, "_value_buffer", None))
+            }
             tokens = max(tokens, getattr(layer, "length", 0))
             if getattr(layer, "_key_buffer", None) is not None:
                 batch = layer._key_buffer.shape[0]
@@ -581,17 +629,22 @@ def cache_memory(cache) -> dict:
         "dense_bf16_bytes_per_token": bf16_per_layer * kv_heads * layers,
         "ratio_vs_bf16": total / max(1, units * bf16_per_layer * layers),
         "compressed_layers_ratio_vs_bf16": (
-            compressed_bytes / max(1, units * bf16_per_layer * compressed_layers) if compressed_layers else None
+            compressed_bytes / max(1, units * bf16_per_layer * compressed_layers)
+            if compressed_layers
+            else None
         ),
         "components": components,
         "components_bytes_per_token_per_kv_head_per_layer": {
             name: value / max(1, units * (compressed_layers if name != "dense_layers_kv" else dense_layers))
-            for name, value in components.items() if value
+            for name, value in components.items()
+            if value
         },
     }
 
 
-def measure_cache_memory(model, tokenizer, config: SparseConfig, context: int, decode_tokens: int = 8) -> dict:
+def measure_cache_memory(
+    model, tokenizer, config: SparseConfig, context: int, decode_tokens: int = 8
+) -> dict:
     """Prefill `context` haystack tokens, decode `decode_tokens` greedily, then measure the cache."""
     import sparsekv
     from sparsekv.assets import haystack_text
@@ -609,8 +662,13 @@ def measure_cache_memory(model, tokenizer, config: SparseConfig, context: int, d
             token = logits.argmax(-1, keepdim=True)
             logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
     report = cache_memory(cache)
-    report.update(method=config.method, options=config.options, context=context, decode_tokens=decode_tokens,
-                  dense_layers_config=list(config.dense_layers))
+    report.update(
+        method=config.method,
+        options=config.options,
+        context=context,
+        decode_tokens=decode_tokens,
+        dense_layers_config=list(config.dense_layers),
+    )
     return report
 
 
@@ -661,7 +719,11 @@ def register(app) -> None:
             f"{report['tokens']} tokens: {report['bytes_per_token']:.0f} B/token held vs "
             f"{report['dense_bf16_bytes_per_token']} B/token for a bf16 dense cache "
             f"({100 * report['ratio_vs_bf16']:.1f}% overall"
-            + (f"; {100 * ratio:.1f}% on the {report['compressed_layers']} compressed layers" if ratio else "")
+            + (
+                f"; {100 * ratio:.1f}% on the {report['compressed_layers']} compressed layers"
+                if ratio
+                else ""
+            )
             + f"; {report['dense_layers']} dense layers at {dtype})"
         )
         write_json(output, report)

@@ -1,0 +1,308 @@
+"""Self-index cache: codes/codebook on hand-computed cases, LUT scores, quantization bounds, the compressed path
+through a tiny model (chunked == token-by-token, 16-bit == dense), padding-invariant statistics, memory."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sparsekv import SparseConfig
+from sparsekv.config import ConfigError
+from sparsekv.kernels.bits import pack_sign_bits
+from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
+from sparsekv.selectors.base import LayerInfo
+from sparsekv.selectors.self_index import (
+    _BITREV4,
+    SelfIndexSelector,
+    cache_memory,
+    codes_from_sign_bits,
+    dequantize,
+    lut_scores,
+    one_pass_centroids,
+    pack_bits,
+    quantize,
+    sign_codes,
+    unpack_bits,
+)
+from tests.helpers import run_chunks
+
+
+def selector(head_dim=64, kv_heads=3, heads=9, **options) -> SelfIndexSelector:
+    config = SparseConfig(method="self-index", budget=0.1, options=options)
+    info = LayerInfo(layer_idx=2, num_layers=4, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                     scaling=head_dim**-0.5)  # fmt: skip
+    return SelfIndexSelector(config, info, **options)
+
+
+def prefilled(sel: SelfIndexSelector, keys, values, query, key_mask=None) -> SelfIndexSelector:
+    out_k, _ = sel.store(keys, values)
+    assert out_k is keys  # the prefill returns the full-precision inputs
+    sel.prefill(keys, values, query, key_mask)
+    return sel
+
+
+# --------------------------------------------------------------------------------------------- codes / codebook
+
+
+def test_sign_codes_hand_case():
+    x = torch.tensor([[1.0, -1.0, 2.0, 0.5, -2.0, -3.0, 0.5, -1.0]])
+    # group 0: + - + + -> 1011b = 11; group 1: - - + - -> 0010b = 2 (first channel = most significant bit)
+    assert sign_codes(x).tolist() == [[11, 2]]
+    assert codes_from_sign_bits(pack_sign_bits(x), 8).tolist() == [[11, 2]]
+
+
+def test_codes_from_packed_bits_match_direct_codes():
+    x = torch.randn(2, 3, 50, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(codes_from_sign_bits(pack_sign_bits(x), 64), sign_codes(x))
+
+
+def test_one_pass_centroids_hand_case():
+    keys = torch.tensor([[1.0, 2.0, -1.0, 3.0], [3.0, 4.0, -3.0, 1.0], [-1.0, 1.0, 1.0, 1.0], [2.0, 2.0, -2.0, 2.0]])
+    codes = sign_codes(keys)[None, None]  # [1, 1, 4, 1]
+    assert codes.flatten().tolist() == [13, 13, 7, 13]  # ++-+ = 1101b, -+++ = 0111b
+    cents = one_pass_centroids(keys[None, None], codes)[0, 0, 0]  # [16, 4]
+    torch.testing.assert_close(cents[13], torch.tensor([2.0, 8 / 3, -2.0, 2.0]))
+    torch.testing.assert_close(cents[7], torch.tensor([-1.0, 1.0, 1.0, 1.0]))
+    # an empty pattern: its signs times the mean |x| per channel
+    mean_abs = keys.abs().mean(0)
+    torch.testing.assert_close(cents[0], -mean_abs)
+    torch.testing.assert_close(cents[15], mean_abs)
+    # a masked (padding) token does not count
+    mask = torch.tensor([[True, False, True, True]])
+    cents = one_pass_centroids(keys[None, None], codes, mask)[0, 0, 0]
+    torch.testing.assert_close(cents[13], torch.tensor([1.5, 2.0, -1.5, 2.5]))
+
+
+def test_lut_scores_are_sums_of_query_dot_centroid():
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(1, 2, 40, 16, generator=gen)
+    codes = sign_codes(keys)
+    cents = one_pass_centroids(keys, codes)
+    query = torch.randn(1, 2, 3, 16, generator=gen)
+    scores = lut_scores(query, cents, codes)
+    # the same by reconstructing each key from its centroids
+    rebuilt = torch.cat([cents[:, :, g].gather(2, codes[..., g].long()[..., None].expand(-1, -1, -1, 4))
+                         for g in range(codes.shape[-1])], dim=-1)  # fmt: skip
+    torch.testing.assert_close(scores, query @ rebuilt.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+    # keys that sit on their centroids are scored exactly (one key per pattern and group)
+    exact = lut_scores(query, one_pass_centroids(rebuilt, codes), codes)
+    torch.testing.assert_close(exact, query @ rebuilt.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_lut_scores_agree_with_reference_for_groups():
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 3, 70, 64, generator=gen)
+    centred = keys - keys.mean(2, keepdim=True)
+    codes = sign_codes(centred)
+    cents = one_pass_centroids(centred, codes)
+    query = torch.randn(2, 9, 4, 64, generator=gen)
+    ours = lut_scores(query.view(2, 3, 3, 4, 64).sum(2), cents, codes)
+    theirs = kernel_lut_scores(query, cents.index_select(3, _BITREV4.long()), pack_sign_bits(centred))
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------- quantization
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_round_trip(bits):
+    values = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
+    packed = pack_bits(values, bits)
+    assert packed.shape[-1] == 64 * bits // 8
+    assert torch.equal(unpack_bits(packed, bits), values)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_error_bound(bits):
+    x = torch.randn(4, 3, 100, 64, generator=torch.Generator().manual_seed(3)) * 3
+    packed, scale, zero = quantize(x, bits, 32)
+    assert packed.dtype == torch.uint8 and scale.dtype == zero.dtype == torch.float16
+    assert packed.shape[-1] == 64 * bits // 8 and scale.shape[-1] == 2
+    back = dequantize(packed, scale, zero, bits, torch.float32)
+    lo = x.unflatten(-1, (2, 32)).amin(-1)
+    bound = scale.float() / 2 + (zero.float() - lo).abs() + 1e-6  # half a step + fp16 rounding of the zero
+    err = (back - x).abs().unflatten(-1, (2, 32)).amax(-1)
+    assert (err <= bound * (1 + 1e-3)).all()
+    # a 2-bit step is (max - min) / 3
+    assert torch.allclose(scale.float(), (x.unflatten(-1, (2, 32)).amax(-1) - zero.float()) / ((1 << bits) - 1),
+                          rtol=2e-3, atol=1e-3)  # fmt: skip
+
+
+def test_quantize_constant_group_is_exact():
+    x = torch.full((1, 64), 0.75)
+    back = dequantize(*quantize(x, 2, 32), 2, torch.float32)
+    torch.testing.assert_close(back, x)
+
+
+def test_compressed_keys_round_trip_error_and_signs():
+    gen = torch.Generator().manual_seed(4)
+    keys = torch.randn(1, 3, 200, 64, generator=gen) * torch.linspace(0.2, 5, 64)  # channels of different scale
+    values = torch.randn(1, 3, 200, 64, generator=gen)
+    query = torch.randn(1, 9, 200, 64, generator=gen)
+    sel = prefilled(selector(sink_tokens=0), keys, values, query)
+    idx = torch.arange(200).view(1, 1, 1, 200).expand(1, 3, 1, 200)
+    k_hat, v_hat = sel.gather_dequantized(idx, torch.tensor([199]))
+    k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
+    centred = keys - sel.mu
+    # K: sign kept exactly; magnitude error <= alpha * (half a 2-bit step of the normalised group + fp16 zero)
+    mag_s = sel._store.view("k_scale")
+    bound = (mag_s.float() / 2 + 1e-3).repeat_interleave(32, -1) * sel.alpha
+    assert ((k_hat - keys).abs() <= bound).all()
+    nonzero = (k_hat - sel.mu).abs() > 1e-6
+    assert torch.equal(torch.sign(k_hat - sel.mu)[nonzero], torch.sign(centred)[nonzero])
+    v_bound = (sel._store.view("v_scale").float() / 2 + 1e-3).repeat_interleave(32, -1)
+    assert ((v_hat - values).abs() <= v_bound).all()
+    rel = ((k_hat - keys).norm() / keys.norm()).item()
+    assert rel < 0.25, rel  # 2-bit magnitudes + exact signs
+
+
+# --------------------------------------------------------------------------------------------- sinks, padding
+
+
+def test_sinks_kept_full_precision_and_always_selected():
+    gen = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(1, 3, 300, 64, generator=gen), torch.randn(1, 3, 300, 64, generator=gen)
+    query = torch.randn(1, 9, 300, 64, generator=gen)
+    sel = prefilled(selector(sink_tokens=8), keys, values, query)
+    pos = sel.sink_positions.long()
+    assert pos.shape == (1, 3, 8) and (pos.diff(dim=-1) > 0).all()
+    idx = pos[:, :, None]  # [1, 3, 1, 8]
+    k_hat, _ = sel.gather_dequantized(idx, torch.tensor([299]))
+    exact_k = keys.gather(2, pos[..., None].expand(-1, -1, -1, 64))
+    torch.testing.assert_close(k_hat[:, :, 0], exact_k.bfloat16().float())
+    # the selection puts them in whenever the budget allows
+    from sparsekv.selectors.base import DecodeStep
+
+    visible = torch.ones(1, 1, 300, dtype=torch.bool)
+    step = DecodeStep(query=query[:, :, -1:], keys=keys[..., :0], values=values[..., :0], visible=visible,
+                      forced=torch.zeros_like(visible), budgets=torch.tensor([[30]]), layer=sel.layer, gqa="group")  # fmt: skip
+    chosen = sel.select(step).to_mask(300)
+    assert chosen.gather(-1, pos[:, :, None]).all()
+    assert (chosen.sum(-1) == 30).all()
+
+
+def test_statistics_ignore_left_padding():
+    gen = torch.Generator().manual_seed(6)
+    keys, values = torch.randn(1, 3, 50, 64, generator=gen), torch.randn(1, 3, 50, 64, generator=gen)
+    query = torch.randn(1, 9, 50, 64, generator=gen)
+    alone = prefilled(selector(sink_tokens=8), keys, values, query)
+    pad = 7
+    junk = torch.randn(1, 3, pad, 64, generator=gen) * 10
+    padded = prefilled(
+        selector(sink_tokens=8), torch.cat([junk, keys], 2), torch.cat([junk, values], 2),
+        torch.cat([torch.randn(1, 9, pad, 64, generator=gen), query], 2),
+        key_mask=torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 50, dtype=torch.bool)], 1),
+    )  # fmt: skip
+    torch.testing.assert_close(padded.mu, alone.mu)
+    torch.testing.assert_close(padded.alpha, alone.alpha)
+    torch.testing.assert_close(padded.centroids, alone.centroids)
+    assert torch.equal(padded.sink_positions - pad, alone.sink_positions)
+    assert torch.equal(padded.codes()[:, :, pad:], alone.codes())
+
+
+# --------------------------------------------------------------------------------------------- through a model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from sparsekv.models import random_model
+
+    return random_model("tiny-llama", dtype=torch.float64, seed=0)
+
+
+def ids_for(model, batch, length, seed):
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("gqa", ["group", "head"])
+@pytest.mark.parametrize("options", [{"sink_tokens": 4, "residual": 8}, {"sink_tokens": 0, "residual": 0},
+                                     {"kv_bits": 4, "sink_tokens": 2, "residual": 5}])  # fmt: skip
+def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
+    config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), gqa=gqa, options=options)
+    ids = ids_for(tiny, 2, 66, seed=7)
+    chunked, rec_c = run_chunks(tiny, config, ids, 40, chunk=13)
+    stepped, rec_s = run_chunks(tiny, config, ids, 40, chunk=1)
+    torch.testing.assert_close(chunked, stepped, rtol=0, atol=1e-9)
+    masks_c = torch.cat([torch.nn.functional.pad(m, (0, 66 - m.shape[-1])) for _, m, _, _ in rec_c.calls], dim=2)
+    masks_s = torch.cat([torch.nn.functional.pad(m, (0, 66 - m.shape[-1])) for _, m, _, _ in rec_s.calls], dim=2)
+    assert torch.equal(masks_c, masks_s)
+
+
+def test_16_bit_variant_reproduces_dense_at_full_budget(tiny):
+    ids = ids_for(tiny, 2, 60, seed=8)
+    dense, _ = run_chunks(tiny, SparseConfig(method="dense"), ids, 40, chunk=8)
+    config = SparseConfig(method="self-index", budget=10_000, dense_layers=(0,), options={"kv_bits": 16})
+    sparse, _ = run_chunks(tiny, config, ids, 40, chunk=8)
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-9)
+
+
+def test_2_bit_cache_stays_close_to_dense_at_full_budget(tiny):
+    ids = ids_for(tiny, 1, 120, seed=9)
+    dense, _ = run_chunks(tiny, SparseConfig(method="dense"), ids, 80, chunk=8)
+    config = SparseConfig(method="self-index", budget=10_000, dense_layers=(0,), options={"sink_tokens": 8})
+    lossy, _ = run_chunks(tiny, config, ids, 80, chunk=8)
+    p, q = torch.softmax(dense, -1), torch.log_softmax(lossy, -1)
+    kl = (p * (p.log() - q)).sum(-1).mean().item()
+    assert kl < 0.05, kl
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="kv_bits"):
+        SparseConfig(method="self-index", options={"kv_bits": 3})
+    with pytest.raises(ConfigError, match="top_p"):
+        SparseConfig(method="self-index", top_p=0.9)
+    with pytest.raises(ConfigError, match="sink_tokens"):
+        SparseConfig(method="self-index", options={"sink_tokens": -1})
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def test_memory_breakdown_is_under_a_quarter_of_bf16_at_4k():
+    gen = torch.Generator().manual_seed(10)
+    n = 4096
+    keys, values = torch.randn(1, 3, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)
+    query = torch.randn(1, 9, n, 64, generator=gen)
+    sel = prefilled(selector(), keys, values, query)
+    for _ in range(3):  # a few decode tokens, with their residual block
+        sel.store(torch.randn(1, 3, 1, 64, generator=gen), torch.randn(1, 3, 1, 64, generator=gen))
+    parts = sel.memory_breakdown()
+    per_token_head = {k: v / (sel.num_tokens * 3) for k, v in parts.items()}
+    assert per_token_head["sign_bits"] == pytest.approx(8, rel=0.05)  # 64 bits
+    assert per_token_head["k_quant"] == pytest.approx(16, rel=0.05)  # 64 x 2 bits
+    assert per_token_head["k_scale_zero"] == pytest.approx(8, rel=0.05)  # 2 groups x (scale + zero) x fp16
+    assert per_token_head["v_quant"] == pytest.approx(16, rel=0.05)
+    assert per_token_head["v_scale_zero"] == pytest.approx(8, rel=0.05)
+    assert parts["kv_full"] == 0
+    ratio = sum(parts.values()) / (sel.num_tokens * 3 * 2 * 64 * 2)
+    assert ratio <= 0.25, ratio
+
+
+def test_cache_memory_report_on_a_model(tiny):
+    from sparsekv.cache import SparseCache
+
+    ids = ids_for(tiny, 1, 300, seed=11)
+    config = SparseConfig(method="self-index", dense_layers=(), options={"sink_tokens": 4})
+    _, _ = run_chunks(tiny, config, ids, 290, chunk=5)
+    cache = SparseCache.for_model(tiny, config)
+    import sparsekv
+
+    with torch.inference_mode(), sparsekv.enabled(tiny, config):
+        tiny(input_ids=ids, past_key_values=cache, use_cache=True)
+        tiny(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    report = cache_memory(cache)
+    assert report["tokens"] == 301 and report["compressed_layers"] == 2
+    assert 0 < report["ratio_vs_bf16"] < 0.5
+    assert math.isclose(report["bytes_total"], sum(report["components"].values()))
+
+
+def test_cli_command_is_registered():
+    import typer
+
+    from sparsekv.selectors.self_index import register
+
+    app = typer.Typer()
+    register(app)
+    assert any(c.name == "cache-memory" for c in app.registered_commands)
