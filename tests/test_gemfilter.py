@@ -62,14 +62,16 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog; then it runs far away i
 def test_registered_and_options():
     assert "gemfilter" in sparsekv.available_methods()
     config = SparseConfig(method="gemfilter", options={"keep": 0.25, "filter_layer": 3, "pool": 3})
-    assert GemFilter.options_of(config) == {"keep": 0.25, "filter_layer": 3, "pool": 3}
-    assert GemFilter.options_of(SparseConfig(method="gemfilter")) == {"keep": 1024, "filter_layer": None, "pool": 5}
+    assert GemFilter.options_of(config) == {"keep": 0.25, "filter_layer": 3, "pool": 3, "window": 1}
+    assert GemFilter.options_of(SparseConfig(method="gemfilter")) == {
+        "keep": 1024, "filter_layer": None, "pool": 5, "window": 1}
     assert GemFilter.dense
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"keep": 0}, {"keep": 1.5}, {"keep": "all"}, {"keep": True}, {"pool": 4}, {"pool": 0}, {"filter_layer": -1}],
+    [{"keep": 0}, {"keep": 1.5}, {"keep": "all"}, {"keep": True}, {"pool": 4}, {"pool": 0}, {"filter_layer": -1},
+     {"window": 0}, {"unknown": 1}],
 )
 def test_bad_options_are_rejected(options):
     with pytest.raises(ConfigError):
@@ -165,7 +167,20 @@ def test_scores_are_the_last_query_logits_summed_over_heads(shape):
         torch.testing.assert_close(difference, difference[:, :1].expand_as(difference), rtol=0, atol=1e-4)
 
 
-def test_selection_sorted_with_last_token_and_without_padding():
+def test_window_scores_are_summed_attention_probabilities():
+    model = tiny("tiny-llama", layers=3)
+    ids = random_ids(2, 25, 5)
+    model.set_attn_implementation("eager")
+    try:
+        reference = model(input_ids=ids, output_attentions=True, use_cache=False).attentions[1][:, :, -6:].sum((1, 2))
+    finally:
+        model.set_attn_implementation("sdpa")
+    mine = layer_scores(model, ids, None, [1], window=6)[1]
+    torch.testing.assert_close(mine, reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 8])
+def test_batch_selection_equals_each_row_alone(window):
     model = tiny(layers=4)
     ids = random_ids(3, 40, 3)
     mask = torch.ones_like(ids)
@@ -184,7 +199,6 @@ def test_selection_sorted_with_last_token_and_without_padding():
     assert torch.isinf(result.scores[1, :15]).all()
 
 
-def test_batch_selection_equals_each_row_alone():
     model = tiny(layers=4)
     lengths = (40, 27)
     ids = torch.full((2, 40), 0)
@@ -193,9 +207,9 @@ def test_batch_selection_equals_each_row_alone():
     for i, (row, n) in enumerate(zip(rows, lengths)):
         ids[i, 40 - n :] = row[0]
         mask[i, 40 - n :] = 1
-    batched = gem_filter(model, ids, mask, keep=0.3, filter_layer=2)
+    batched = gem_filter(model, ids, mask, keep=0.3, filter_layer=2, window=window)
     for i, (row, n) in enumerate(zip(rows, lengths)):
-        alone = gem_filter(model, row, None, keep=0.3, filter_layer=2)
+        alone = gem_filter(model, row, None, keep=0.3, filter_layer=2, window=window)
         assert torch.equal(batched.kept[i] - (40 - n), alone.kept[0])
 
 

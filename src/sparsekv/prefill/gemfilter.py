@@ -19,8 +19,6 @@ The kept tokens of the latest `filter_prompt` call are attached to the model (`l
 needle prompts (the paper's Fig. 5: distance between the needle and the selected tokens) and recommends r.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import math
 import sys
@@ -43,6 +41,7 @@ __all__ = [
     "gem_filter",
     "kept_counts",
     "last_query_scores",
+    "window_scores",
     "last_selection",
     "layer_scores",
     "recommend_layer",
@@ -75,8 +74,10 @@ def default_filter_layer(num_layers: int) -> int:
 def decoder_layers(model) -> torch.nn.ModuleList:
     """The model's decoder layers (the first ModuleList of modules with a `self_attn`)."""
     for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) and all(
-            hasattr(layer, "self_attn") for layer in module
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module)
+            and all(hasattr(layer, "self_attn") for layer in module)
         ):
             return module
     raise ConfigError(f"gemfilter cannot find the decoder layers of {type(model).__name__}")
@@ -93,33 +94,66 @@ def _rotary(attn: torch.nn.Module) -> Callable:
     return rope
 
 
+def _project(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, queries: int):
+    """Post-RoPE queries of the last `queries` positions [B, H, q, d] and all keys [B, Hkv, N, d], computed with the
+    attention module's own projections, optional per-head norms (Qwen3-style) and its model's rotary function."""
+    batch, length, _ = hidden_states.shape
+    head_dim = attn.head_dim
+    keys = attn.k_proj(hidden_states).view(batch, length, -1, head_dim)
+    query = attn.q_proj(hidden_states[:, -queries:]).view(batch, queries, -1, head_dim)
+    if getattr(attn, "q_norm", None) is not None:
+        query = attn.q_norm(query)
+    if getattr(attn, "k_norm", None) is not None:
+        keys = attn.k_norm(keys)
+    query, keys = query.transpose(1, 2), keys.transpose(1, 2)
+    cos, sin = position_embeddings
+    rope = _rotary(attn)
+    query, _ = rope(query, query, cos[:, -queries:], sin[:, -queries:])
+    _, keys = rope(keys, keys, cos, sin)
+    return query, keys
+
+
 def last_query_scores(
     attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
-    """[B, N] (float32 or wider): sum over query heads of (post-RoPE last query) . (post-RoPE key j) of one attention layer.
+    """[B, N] (float32 or wider): sum over query heads of (post-RoPE last query) . (post-RoPE key j) of one
+    attention layer: the paper's score.
 
     hidden_states [B, N, D] is the attention module's input (after the layer's input norm); position_embeddings
     the (cos, sin) the model hands to it. Only the last query is projected.
     """
-    batch, length, _ = hidden_states.shape
-    head_dim = attn.head_dim
-    keys = attn.k_proj(hidden_states).view(batch, length, -1, head_dim)
-    query = attn.q_proj(hidden_states[:, -1:]).view(batch, 1, -1, head_dim)
-    if getattr(attn, "q_norm", None) is not None:  # per-head norms (Qwen3-style models)
-        query = attn.q_norm(query)
-    if getattr(attn, "k_norm", None) is not None:
-        keys = attn.k_norm(keys)
-    query, keys = query.transpose(1, 2), keys.transpose(1, 2)  # [B, H, 1, d], [B, Hkv, N, d]
-    cos, sin = position_embeddings
-    rope = _rotary(attn)
-    query, _ = rope(query, query, cos[:, -1:], sin[:, -1:])
-    _, keys = rope(keys, keys, cos, sin)
-    heads, kv_heads = query.shape[1], keys.shape[1]
+    batch = hidden_states.shape[0]
+    query, keys = _project(attn, hidden_states, position_embeddings, 1)  # [B, H, 1, d], [B, Hkv, N, d]
+    heads, kv_heads, head_dim = query.shape[1], keys.shape[1], query.shape[-1]
+    dtype = torch.promote_types(keys.dtype, torch.float32)  # at least float32, float64 models stay exact
     # repeat_kv maps query head h to kv head h // group; summing q_h . k over the heads of a group equals
     # (sum of the group's queries) . k, which avoids materialising the repeated keys
-    dtype = torch.promote_types(keys.dtype, torch.float32)  # at least float32, float64 models stay exact
     grouped = query.to(dtype).reshape(batch, kv_heads, heads // kv_heads, head_dim).sum(2)
     return torch.einsum("bhd,bhnd->bn", grouped, keys.to(dtype))
+
+
+def window_scores(
+    attn: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    valid: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
+    """[B, N]: attention probabilities (softmax over each query's causal, unpadded past) of the last `window`
+    queries, summed over queries and heads. An extension for models whose very last query does not look at the
+    relevant tokens: raw logits of different queries are not on one scale, probabilities are."""
+    length = hidden_states.shape[1]
+    window = min(window, length)
+    query, keys = _project(attn, hidden_states, position_embeddings, window)
+    dtype = torch.promote_types(keys.dtype, torch.float32)
+    keys = keys.to(dtype).repeat_interleave(query.shape[1] // keys.shape[1], dim=1)  # repeat_kv
+    logits = torch.matmul(query.to(dtype), keys.transpose(-1, -2)) * attn.scaling  # [B, H, w, N]
+    positions = torch.arange(length, device=valid.device)
+    causal = positions[None, :] <= positions[-window:, None]  # [w, N]
+    visible = causal[None] & valid[:, None, :]  # [B, w, N]
+    probs = torch.softmax(logits.masked_fill(~visible[:, None], float("-inf")), dim=-1)
+    probs = probs.nan_to_num(0.0) * valid[:, None, -window:, None]  # padded queries (short rows) count nothing
+    return probs.sum((1, 2))
 
 
 def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -128,9 +162,10 @@ def _position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def layer_scores(
-    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: Iterable[int]
+    model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layers: Iterable[int], window: int = 1
 ) -> dict[int, torch.Tensor]:
-    """Raw last-query scores [B, N] of each layer in `layers`, from one forward pass that stops at the last one.
+    """Token scores [B, N] of each layer in `layers` (window 1: the last query's raw logits summed over heads; more:
+    see `window_scores`), from one forward pass that stops at the last of the layers.
 
     Layers after max(layers) are not run; layer max(layers) itself only runs its input norm and the q/k projections.
     """
@@ -152,15 +187,16 @@ def layer_scores(
                     f"{type(module).__name__} receives no position_embeddings; gemfilter supports models whose "
                     "decoder hands (cos, sin) to the attention module (Llama, Mistral, Qwen2/3, ...)"
                 )
-            scores[layer_idx] = last_query_scores(module, hidden, position_embeddings)
+            if window == 1:
+                scores[layer_idx] = last_query_scores(module, hidden, position_embeddings)
+            else:
+                scores[layer_idx] = window_scores(module, hidden, position_embeddings, attention_mask.bool(), window)
             if layer_idx == stop_at:
                 raise _StopForward
 
         return hook
 
-    handles = [
-        modules[i].self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i in layers
-    ]
+    handles = [modules[i].self_attn.register_forward_pre_hook(capture(i), with_kwargs=True) for i in layers]
     try:
         model(
             input_ids=input_ids,
@@ -254,6 +290,7 @@ def gem_filter(
     keep: int | float = 1024,
     filter_layer: int | None = None,
     pool: int = 5,
+    window: int = 1,
 ) -> FilterResult:
     """Runs the filter pass and returns the kept tokens (see the module docstring)."""
     if attention_mask is None:
@@ -265,14 +302,17 @@ def gem_filter(
     num_layers = num_layers_of(model)
     layer = default_filter_layer(num_layers) if filter_layer is None else filter_layer
     if not 0 <= layer < num_layers:
-        raise ConfigError(f"filter_layer {layer} out of range: the model has {num_layers} layers (0..{num_layers - 1})")
+        raise ConfigError(
+            f"filter_layer {layer} out of range: the model has {num_layers} layers (0..{num_layers - 1})"
+        )
     counts = kept_counts(keep, lengths)
     every = [row.nonzero()[:, 0] for row in valid]
     if counts == lengths:  # nothing to drop: no filter pass, the prompt as it is
-        return FilterResult(input_ids, attention_mask, every, input_ids, attention_mask, layer,
-                            prompt_lengths=lengths)
+        return FilterResult(
+            input_ids, attention_mask, every, input_ids, attention_mask, layer, prompt_lengths=lengths
+        )
     start = time.perf_counter()
-    raw = layer_scores(model, input_ids, attention_mask, [layer])[layer]
+    raw = layer_scores(model, input_ids, attention_mask, [layer], window)[layer]
     pooled = pool_scores(raw, valid, pool)
     kept = select_tokens(pooled, valid, counts)
     width = max(counts)
@@ -283,8 +323,18 @@ def gem_filter(
     for row, indices in enumerate(kept):
         new_ids[row, width - len(indices) :] = input_ids[row, indices]
         new_mask[row, width - len(indices) :] = 1
-    return FilterResult(new_ids, new_mask, kept, input_ids, attention_mask, layer, scores=pooled, filtered=True,
-                        seconds=time.perf_counter() - start, prompt_lengths=lengths)
+    return FilterResult(
+        new_ids,
+        new_mask,
+        kept,
+        input_ids,
+        attention_mask,
+        layer,
+        scores=pooled,
+        filtered=True,
+        seconds=time.perf_counter() - start,
+        prompt_lengths=lengths,
+    )
 
 
 def last_selection(model) -> FilterResult | None:
@@ -322,19 +372,25 @@ def _check_keep(keep) -> None:
     if isinstance(keep, bool) or not isinstance(keep, (int, float)):
         raise ConfigError(f"gemfilter keep must be an int (tokens) or a fraction in (0, 1], got {keep!r}")
     if isinstance(keep, float) and not (math.isfinite(keep) and 0 < keep <= 1):
-        raise ConfigError(f"gemfilter keep as a fraction must be in (0, 1], got {keep}; pass an int for tokens")
+        raise ConfigError(
+            f"gemfilter keep as a fraction must be in (0, 1], got {keep}; pass an int for tokens"
+        )
     if isinstance(keep, int) and keep < 1:
         raise ConfigError(f"gemfilter keep must be >= 1 token, got {keep}")
 
 
-def _check_options(keep, filter_layer, pool) -> None:
+def _check_options(keep, filter_layer, pool, window=1) -> None:
     _check_keep(keep)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"gemfilter window must be an int >= 1 (queries scoring the tokens), got {window!r}")
     if filter_layer is not None and (
         isinstance(filter_layer, bool) or not isinstance(filter_layer, int) or filter_layer < 0
     ):
         raise ConfigError(f"gemfilter filter_layer must be a layer index >= 0 or None, got {filter_layer!r}")
     if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1 or pool % 2 == 0:
-        raise ConfigError(f"gemfilter pool must be an odd int >= 1 (an even kernel shifts positions), got {pool!r}")
+        raise ConfigError(
+            f"gemfilter pool must be an odd int >= 1 (an even kernel shifts positions), got {pool!r}"
+        )
 
 
 @dataclass
@@ -344,6 +400,8 @@ class GemFilter(TokenSelector):
     keep: tokens kept per prompt (int) or a fraction of each prompt (float in (0, 1]); the last token always.
     filter_layer: 0-based layer whose last-query attention logits score the tokens; None = round(0.4 * depth).
     pool: odd kernel of the average pool over the scores.
+    window: 1 = the paper's score (last query's raw logits summed over heads); w > 1 = attention probabilities of
+        the last w queries summed (for small models whose last query does not look at the answer).
     """
 
     name = "gemfilter"
@@ -352,6 +410,7 @@ class GemFilter(TokenSelector):
     keep: int | float = 1024
     filter_layer: int | None = None
     pool: int = 5
+    window: int = 1
 
     @classmethod
     def options_of(cls, config: SparseConfig) -> dict:
@@ -423,6 +482,7 @@ def scan_layers(
     keep: int | float = 256,
     pool: int = 5,
     progress: Callable[[str], None] | None = None,
+    window: int = 1,
 ) -> list[ProbeResult]:
     """Needle probes over every layer (one forward pass per prompt, the last layer's attention skipped)."""
     from sparsekv.eval.haystack import NEEDLE, needle_prompt
@@ -439,7 +499,7 @@ def scan_layers(
             ids, span = needle_span(tokenizer, prompt, NEEDLE)
             input_ids = torch.tensor([ids], device=device)
             mask = torch.ones_like(input_ids)
-            scores = layer_scores(model, input_ids, mask, range(num_layers))
+            scores = layer_scores(model, input_ids, mask, range(num_layers), window)
             counts = kept_counts(keep, [len(ids)])
             distance, coverage = [], []
             for layer in range(num_layers):
@@ -497,10 +557,15 @@ def register(app) -> None:
     @app.command("gemfilter-scan")
     def gemfilter_scan(
         model: ModelOpt = "default",
-        contexts: Annotated[str, typer.Option(help="comma-separated haystack lengths (tokens)")] = "1000,2000,3000",
-        depths: Annotated[str, typer.Option(help="comma-separated needle depths in [0, 1]")] = "0.25,0.5,0.75",
+        contexts: Annotated[
+            str, typer.Option(help="comma-separated haystack lengths (tokens)")
+        ] = "1000,2000,3000",
+        depths: Annotated[
+            str, typer.Option(help="comma-separated needle depths in [0, 1]")
+        ] = "0.25,0.5,0.75",
         keep: Annotated[str, typer.Option(help="tokens kept (int) or fraction")] = "256",
         pool: int = 5,
+        window: Annotated[int, typer.Option(help="queries scoring the tokens (1 = the paper)")] = 1,
         device: DeviceOpt = "cpu",
         dtype: DtypeOpt = "float32",
         output: OutputOpt = None,
@@ -508,43 +573,69 @@ def register(app) -> None:
         """Needle probe over layers: distance between the needle and the selected tokens per layer (GemFilter
         Fig. 5); recommends the filter layer."""
         keep_value = _parse_keep(keep)
-        _check_options(keep_value, None, pool)
+        _check_options(keep_value, None, pool, window)
         context_list = _parse_list(contexts, int, "contexts")
         depth_list = _parse_list(depths, float, "depths")
         loaded, tokenizer = load(model, device, dtype)
         with console.status("probing...") as status:
-            probes = scan_layers(loaded, tokenizer, context_list, depth_list, keep_value, pool,
-                                 progress=lambda text: status.update(f"probing {text}"))
+            probes = scan_layers(
+                loaded,
+                tokenizer,
+                context_list,
+                depth_list,
+                keep_value,
+                pool,
+                progress=lambda text: status.update(f"probing {text}"),
+            )
         best = recommend_layer(probes)
         num_layers = len(probes[0].distance)
         table = Table("layer", *(f"{p.context}@{p.depth:g}" for p in probes), "mean coverage")
         for layer in range(num_layers):
-            cells = [f"{p.distance[layer]}" + ("" if p.distance[layer] else f" ({p.coverage[layer]:.0%})")
-                     for p in probes]
+            cells = [
+                f"{p.distance[layer]}" + ("" if p.distance[layer] else f" ({p.coverage[layer]:.0%})")
+                for p in probes
+            ]
             mean = sum(p.coverage[layer] for p in probes) / len(probes)
             table.add_row(f"{layer}{' *' if layer == best else ''}", *cells, f"{mean:.0%}")
         console.print(table)
-        console.print(f"distance = min |selected - needle| in tokens (0 = needle kept; % = needle tokens kept), "
-                      f"keep={keep_value}. Recommended filter_layer: {best} "
-                      f"(default {default_filter_layer(num_layers)} of {num_layers}).")
-        write_json(output, {"model": model, "keep": keep_value, "pool": pool, "recommended_layer": best,
-                            "default_layer": default_filter_layer(num_layers),
-                            "probes": [p.to_dict() for p in probes]})
+        console.print(
+            f"distance = min |selected - needle| in tokens (0 = needle kept; % = needle tokens kept), "
+            f"keep={keep_value}. Recommended filter_layer: {best} "
+            f"(default {default_filter_layer(num_layers)} of {num_layers})."
+        )
+        write_json(
+            output,
+            {
+                "model": model,
+                "keep": keep_value,
+                "pool": pool,
+                "recommended_layer": best,
+                "default_layer": default_filter_layer(num_layers),
+                "probes": [p.to_dict() for p in probes],
+            },
+        )
 
     @app.command("gemfilter-generate")
     def gemfilter_generate(
         prompt: Annotated[Optional[str], typer.Option(help="the prompt (chat template applied)")] = None,
         prompt_file: Annotated[Optional[Path], typer.Option(help="read the prompt from this file")] = None,
-        needle_context: Annotated[Optional[int], typer.Option(help="use a needle prompt of this many tokens")] = None,
+        needle_context: Annotated[
+            Optional[int], typer.Option(help="use a needle prompt of this many tokens")
+        ] = None,
         depth: Annotated[float, typer.Option(help="needle depth for --needle-context")] = 0.5,
         model: ModelOpt = "default",
         keep: Annotated[str, typer.Option(help="tokens kept (int) or fraction")] = "1024",
-        filter_layer: Annotated[Optional[int], typer.Option(help="0-based filter layer (default 40% depth)")] = None,
+        filter_layer: Annotated[
+            Optional[int], typer.Option(help="0-based filter layer (default 40% depth)")
+        ] = None,
         pool: int = 5,
+        window: Annotated[int, typer.Option(help="queries scoring the tokens (1 = the paper)")] = 1,
         max_new_tokens: int = 32,
         raw: Annotated[bool, typer.Option(help="do not apply the chat template")] = False,
         show_selected: Annotated[bool, typer.Option(help="print the kept prompt text")] = False,
-        selected_output: Annotated[Optional[Path], typer.Option(help="save the kept prompt text here")] = None,
+        selected_output: Annotated[
+            Optional[Path], typer.Option(help="save the kept prompt text here")
+        ] = None,
         device: DeviceOpt = "cpu",
         dtype: DtypeOpt = "float32",
         output: OutputOpt = None,
@@ -556,7 +647,7 @@ def register(app) -> None:
 
         if sum(x is not None for x in (prompt, prompt_file, needle_context)) != 1:
             raise UserError("give exactly one of --prompt, --prompt-file, --needle-context")
-        options = {"keep": _parse_keep(keep), "filter_layer": filter_layer, "pool": pool}
+        options = {"keep": _parse_keep(keep), "filter_layer": filter_layer, "pool": pool, "window": window}
         config = SparseConfig(method="gemfilter", options=options)
         loaded, tokenizer = load(model, device, dtype)
         if needle_context is not None:
@@ -577,8 +668,22 @@ def register(app) -> None:
             selected_output.parent.mkdir(parents=True, exist_ok=True)
             selected_output.write_text(kept_text + "\n")
         console.print(result.texts[0], markup=False, highlight=False)
-        summary = (f"kept {len(selection.kept[0])} of {selection.prompt_lengths[0]} prompt tokens at layer "
-                   f"{selection.filter_layer} (filter pass {selection.seconds:.2f}s)") if selection else ""
+        summary = (
+            (
+                f"kept {len(selection.kept[0])} of {selection.prompt_lengths[0]} prompt tokens at layer "
+                f"{selection.filter_layer} (filter pass {selection.seconds:.2f}s)"
+            )
+            if selection
+            else ""
+        )
         console.print(f"{summary}; {format_stats(result)}", style="dim")
-        write_json(output, {"model": model, "options": options, "kept_text": kept_text,
-                            **(selection.to_dict() if selection else {}), **result.to_dict()})
+        write_json(
+            output,
+            {
+                "model": model,
+                "options": options,
+                "kept_text": kept_text,
+                **(selection.to_dict() if selection else {}),
+                **result.to_dict(),
+            },
+        )

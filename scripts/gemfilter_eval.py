@@ -1,0 +1,231 @@
+"""GemFilter acceptance measurements on the default model (CPU): NIAH grid vs dense, prefill time and peak memory.
+
+    PYTHONPATH=src python scripts/gemfilter_eval.py --output results/gemfilter_eval.json
+
+Parts (all on by default; --skip-niah / --skip-prefill / --scan):
+  niah     lengths x depths needle prompts (sparsekv.eval.haystack.needle_prompt + models.chat_prompt), greedy
+           `sparsekv.generate` with dense and with gemfilter (keep, filter_layer); score = keyword recall of the
+           needle's answer in the output.
+  prefill  time to the first token at --prefill-tokens, dense vs gemfilter, each method in a fresh subprocess.
+           Both compute the logits of the last position only (`logits_to_keep=1`), so the comparison is about the
+           attention/MLP work, not about the [N, vocab] logits that a full-logits forward would add.
+           Wall and process CPU seconds are both reported (the CPU is shared: CPU seconds are the steadier figure).
+           Peak memory = peak RSS during the call minus RSS just before it, sampled every 2 ms from /proc/self/statm
+           in a background thread (torch CPU allocations are invisible to tracemalloc; RSS sees them; a fresh
+           process per method keeps one method's freed-but-retained heap from hiding the other's peak).
+  scan     the per-layer needle probe of `sparsekv gemfilter-scan` (off by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ANSWER_KEYWORDS = ("eat", "sandwich", "sit", "dolores", "park", "sunny", "day")
+
+
+def keyword_recall(text: str) -> float:
+    words = set(re.findall(r"[a-z]+", text.lower()))
+    return sum(k in words for k in ANSWER_KEYWORDS) / len(ANSWER_KEYWORDS)
+
+
+class PeakRSS:
+    """Peak resident set size above the level at entry, sampled from /proc/self/statm."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval = interval
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.base = 0
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self.base = self.peak = self.rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.rss())
+
+    @property
+    def delta_mb(self) -> float:
+        return (self.peak - self.base) / 2**20
+
+
+def load():
+    from sparsekv.models import load_model
+
+    torch.manual_seed(0)
+    return load_model("default", dtype=torch.float32)
+
+
+def needle_ids(tokenizer, context: int, depth: float) -> tuple[str, torch.Tensor]:
+    from sparsekv.eval.haystack import needle_prompt
+    from sparsekv.models import chat_prompt
+
+    prompt = chat_prompt(tokenizer, needle_prompt(tokenizer, context_tokens=context, depth=depth))
+    return prompt, tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+def run_niah(args) -> dict:
+    import sparsekv
+    from sparsekv import SparseConfig
+    from sparsekv.prefill.gemfilter import last_selection
+
+    model, tokenizer = load()
+    configs = {"dense": SparseConfig(method="dense")}
+    for layer, window in args.variants:
+        options = {"keep": args.keep, "filter_layer": layer, "window": window}
+        name = f"gemfilter-{args.keep}-L{'default' if layer is None else layer}-w{window}"
+        configs[name] = SparseConfig("gemfilter", options=options)
+    rows = []
+    for context in args.lengths:
+        for depth in args.depths:
+            prompt, ids = needle_ids(tokenizer, context, depth)
+            row = {"context": context, "depth": depth, "prompt_tokens": ids.shape[1]}
+            for name, config in configs.items():
+                result = sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens)
+                row[name] = {"text": result.texts[0], "score": keyword_recall(result.texts[0]),
+                             "prefill_seconds": result.prefill_seconds}
+                if config.method == "gemfilter":
+                    row[name]["filter_layer"] = last_selection(model).filter_layer
+                print(f"[niah] {context}@{depth} {name}: {row[name]['score']:.2f} "
+                      f"({result.prefill_seconds:.2f}s) {result.texts[0].strip()[:90]!r}", flush=True)
+            rows.append(row)
+    means = {name: statistics.mean(r[name]["score"] for r in rows) for name in configs}
+    return {"configs": {name: c.options for name, c in configs.items()}, "rows": rows, "mean_score": means}
+
+
+def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: int | None) -> dict:
+    """In this (fresh) process: warm up, then time/measure `reps` prefills of a `tokens`-token needle prompt."""
+    from sparsekv.prefill.gemfilter import gem_filter
+
+    model, tokenizer = load()
+    _, ids = needle_ids(tokenizer, tokens, 0.5)
+
+    @torch.inference_mode()
+    def prefill(input_ids):
+        from transformers import DynamicCache
+
+        mask = torch.ones_like(input_ids)
+        if method == "gemfilter":
+            result = gem_filter(model, input_ids, mask, keep=keep, filter_layer=filter_layer)
+            input_ids, mask = result.input_ids, result.attention_mask
+        out = model(input_ids=input_ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+                    use_cache=True, logits_to_keep=1)
+        return int(out.logits[0, -1].argmax())
+
+    prefill(ids[:, -512:])  # warm-up
+    runs = []
+    for _ in range(reps):
+        with PeakRSS() as peak:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            token = prefill(ids)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        runs.append({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_rss_delta_mb": peak.delta_mb,
+                     "first_token": token})
+        print(f"[prefill] {method} {ids.shape[1]} tokens: {seconds:.2f}s wall, {cpu_seconds:.2f}s cpu, "
+              f"peak +{peak.delta_mb:.0f} MB", flush=True)
+    return {"method": method, "prompt_tokens": ids.shape[1], "threads": torch.get_num_threads(), "runs": runs}
+
+
+def run_prefill(args) -> dict:
+    results = {}
+    for method in ("gemfilter", "dense"):
+        command = [sys.executable, __file__, "--prefill-one", method, "--prefill-tokens", str(args.prefill_tokens),
+                   "--reps", str(args.reps), "--keep", str(args.keep)]
+        if args.filter_layer is not None:
+            command += ["--filter-layer", str(args.filter_layer)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            sys.stderr.write(done.stderr[-4000:])
+            raise SystemExit(f"prefill run of {method} failed")
+        lines = done.stdout.splitlines()
+        print("\n".join(line for line in lines if not line.startswith("@@JSON@@")), flush=True)
+        results[method] = json.loads(next(line for line in lines if line.startswith("@@JSON@@"))[8:])
+    dense_s = min(r["seconds"] for r in results["dense"]["runs"])
+    gem_s = min(r["seconds"] for r in results["gemfilter"]["runs"])
+    dense_cpu = min(r["cpu_seconds"] for r in results["dense"]["runs"])
+    gem_cpu = min(r["cpu_seconds"] for r in results["gemfilter"]["runs"])
+    dense_mb = max(r["peak_rss_delta_mb"] for r in results["dense"]["runs"])
+    gem_mb = max(r["peak_rss_delta_mb"] for r in results["gemfilter"]["runs"])
+    results["summary"] = {"dense_seconds": dense_s, "gemfilter_seconds": gem_s, "speedup": dense_s / gem_s,
+                          "dense_cpu_seconds": dense_cpu, "gemfilter_cpu_seconds": gem_cpu,
+                          "cpu_speedup": dense_cpu / gem_cpu,
+                          "dense_peak_mb": dense_mb, "gemfilter_peak_mb": gem_mb}
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="1000,2000,3000")
+    parser.add_argument("--depths", default="0.1,0.5,0.9")
+    parser.add_argument("--keep", type=int, default=256)
+    parser.add_argument("--filter-layer", type=int, default=None, help="prefill bench filter layer")
+    parser.add_argument("--variants", default="default:1",
+                        help="NIAH gemfilter variants, comma-separated layer:window ('default' = 40%% depth)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prefill-tokens", type=int, default=8192)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--skip-niah", action="store_true")
+    parser.add_argument("--skip-prefill", action="store_true")
+    parser.add_argument("--scan", action="store_true")
+    parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--prefill-one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.prefill_one:
+        result = prefill_one(args.prefill_one, args.prefill_tokens, args.reps, args.keep, args.filter_layer)
+        print("@@JSON@@" + json.dumps(result))
+        return
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.depths = [float(x) for x in args.depths.split(",")]
+    args.variants = [(None if v.split(":")[0] == "default" else int(v.split(":")[0]), int(v.split(":")[1]))
+                     for v in args.variants.split(",")]
+    report = {"device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d %H:%M"), "keep": args.keep}
+    if args.scan:
+        from sparsekv.prefill.gemfilter import recommend_layer, scan_layers
+
+        model, tokenizer = load()
+        probes = scan_layers(model, tokenizer, args.lengths, args.depths, keep=args.keep,
+                             progress=lambda text: print(f"[scan] {text}", flush=True))
+        report["scan"] = {"recommended_layer": recommend_layer(probes), "probes": [p.to_dict() for p in probes]}
+        for layer in range(len(probes[0].distance)):
+            print(f"[scan] layer {layer:2d}: distance {[p.distance[layer] for p in probes]} "
+                  f"coverage {[round(p.coverage[layer], 2) for p in probes]}", flush=True)
+        print(f"[scan] recommended filter layer {report['scan']['recommended_layer']}", flush=True)
+        del model
+    if not args.skip_niah:
+        report["niah"] = run_niah(args)
+        print(f"[niah] mean keyword recall: {report['niah']['mean_score']}", flush=True)
+    if not args.skip_prefill:
+        report["prefill"] = run_prefill(args)
+        print(f"[prefill] {report['prefill']['summary']}", flush=True)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
