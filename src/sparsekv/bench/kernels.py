@@ -66,7 +66,7 @@ def run_kernels(
         (1024, 8, True, 8),
     )
     for blk, nw, vec, pps in sweep:
-        ham.TUNE.update(block=blk, num_warps=nw, vec=vec, progs_per_sm=pps)
+        ham.TUNE.update(block=blk, block_plain=blk, num_warps=nw, vec=vec, progs_per_sm=pps)
         tag = f"block={blk} warps={nw} vec={vec} progs/SM={pps}"
         out.append(Row(f"  score+hist {tag}", "sweep",
                        graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),

@@ -20,7 +20,7 @@ from sparsekv.kernels._topk_triton import (
 from sparsekv.kernels._triton import next_pow2
 
 # launch parameters of the scorer (the kernel benchmark sweeps them)
-TUNE = {"block": 512, "num_warps": 4, "vec": True, "progs_per_sm": 4}
+TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 16}
 
 
 @triton.jit
@@ -106,7 +106,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
         query_codes = query_codes.contiguous()
     rows = b * hkv * q
     out = torch.empty(b, hkv, q, n, dtype=out_dtype, device=key_codes.device)
-    block = TUNE["block"] if n >= 8192 else 128
+    block = (TUNE["block"] if radix is not None else TUNE["block_plain"]) if n >= 8192 else 128
     levels, nbits = radix or (1, 1)
     num_chunks, bpc = chunking(
         rows, n, block, key_codes.device, max_chunks=max_chunks(nbits), progs_per_sm=TUNE["progs_per_sm"]

@@ -181,7 +181,7 @@ def _compact_kernel(
 
 
 def chunking(
-    rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128, progs_per_sm: int = 4
+    rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128, progs_per_sm: int = 16
 ) -> tuple[int, int]:
     """(num_chunks, blocks_per_chunk): enough programs to fill the GPU, each streaming several blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
