@@ -35,7 +35,9 @@ class SparseLayer(DynamicLayer):
     """K/V in a buffer grown by doubling (appending one token is O(1), not a copy of the whole cache),
     plus the layer's selector (None on dense layers)."""
 
-    def __init__(self, selector: TokenSelector | None, pruner: Pruner | None = None, initial_capacity: int = 0):
+    def __init__(
+        self, selector: TokenSelector | None, pruner: Pruner | None = None, initial_capacity: int = 0
+    ):
         super().__init__()
         self.selector = selector
         self.pruner = pruner
@@ -60,7 +62,9 @@ class SparseLayer(DynamicLayer):
             self.keys, self.values = self.selector.store(key_states, value_states)
             return self.keys, self.values
         if self._key_buffer is None or needed > self._key_buffer.shape[-2]:
-            capacity = max(needed, self.initial_capacity, 2 * (0 if self._key_buffer is None else self.length))
+            capacity = max(
+                needed, self.initial_capacity, 2 * (0 if self._key_buffer is None else self.length)
+            )
             self._key_buffer = self._grow(self._key_buffer, key_states, capacity)
             self._value_buffer = self._grow(self._value_buffer, value_states, capacity)
         self._key_buffer[..., self.length : needed, :] = key_states
@@ -124,8 +128,12 @@ class BudgetStats:
                 kept_all.append(kept)
                 seen_all.append(seen)
         if not kept_all:
-            return {"avg_budget_tokens": None, "avg_context_tokens": None, "avg_budget_fraction": None,
-                    "per_layer_avg_tokens": {}}
+            return {
+                "avg_budget_tokens": None,
+                "avg_context_tokens": None,
+                "avg_budget_fraction": None,
+                "per_layer_avg_tokens": {},
+            }
         kept, seen = torch.cat(kept_all).double(), torch.cat(seen_all).double()
         return {
             "avg_budget_tokens": float(kept.mean()),
@@ -142,7 +150,8 @@ class SparseCache(Cache):
         method = get_method_class(config.method)
         if infos:
             config.check_model(infos[0].num_layers)
-        pruner_class = get_top_p_pruner() if config.top_p is not None and not method.consumes_top_p else None
+        prunes = config.top_p is not None and not (method.consumes_top_p or method.dense)
+        pruner_class = get_top_p_pruner() if prunes else None
         layers = []
         for info in infos:
             if method.dense or info.layer_idx in config.dense_layers:

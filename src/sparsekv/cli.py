@@ -15,7 +15,9 @@ from rich.table import Table
 
 from sparsekv.config import ConfigError, SparseConfig
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="Sparse KV-cache decoding for HF transformers.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Sparse KV-cache decoding for HF transformers."
+)
 console = Console()
 
 #: modules exposing `register(app: typer.Typer)`; a module that is not part of this build is skipped
@@ -162,18 +164,24 @@ def generate(
     result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens)
     console.print(result.texts[0], markup=False, highlight=False)
     console.print(format_stats(result), style="dim")
-    write_json(output, {"model": model, "prompt": prompt, "budget": config.budget, "top_p": top_p,
-                        **result.to_dict()})
+    write_json(
+        output,
+        {"model": model, "prompt": prompt, "budget": config.budget, "top_p": top_p, **result.to_dict()},
+    )
 
 
 def format_stats(result) -> str:
     if result.avg_budget_tokens is None:
         budget = "dense (all tokens)"
     else:
-        budget = (f"{result.avg_budget_tokens:.1f} of {result.avg_context_tokens:.1f} tokens "
-                  f"({100 * result.avg_budget_fraction:.1f}%) per step per sparse layer")
-    return (f"[{result.method}] attended {budget}; prefill {result.prefill_seconds:.2f}s, "
-            f"decode {result.tokens_per_second:.1f} tokens/s")
+        budget = (
+            f"{result.avg_budget_tokens:.1f} of {result.avg_context_tokens:.1f} tokens "
+            f"({100 * result.avg_budget_fraction:.1f}%) per step per sparse layer"
+        )
+    return (
+        f"[{result.method}] attended {budget}; prefill {result.prefill_seconds:.2f}s, "
+        f"decode {result.tokens_per_second:.1f} tokens/s"
+    )
 
 
 @app.command()
@@ -202,14 +210,24 @@ def demo(
             results[config.method] = sparsekv.generate(loaded, tokenizer, prompt, config, max_new_tokens)
     table = Table("method", "answer", "tokens attended / step", "prefill s", "decode tok/s")
     for name, result in results.items():
-        attended = ("all" if result.avg_budget_tokens is None
-                    else f"{result.avg_budget_tokens:.0f} / {result.avg_context_tokens:.0f}")
-        table.add_row(name, result.texts[0].strip(), attended, f"{result.prefill_seconds:.2f}",
-                      f"{result.tokens_per_second:.1f}")
+        attended = (
+            "all"
+            if result.avg_budget_tokens is None
+            else f"{result.avg_budget_tokens:.0f} / {result.avg_context_tokens:.0f}"
+        )
+        table.add_row(
+            name,
+            result.texts[0].strip(),
+            attended,
+            f"{result.prefill_seconds:.2f}",
+            f"{result.tokens_per_second:.1f}",
+        )
     console.print(table)
     dense_text, sparse_text = (r.texts[0].strip() for r in results.values())
-    console.print("same answer" if dense_text == sparse_text else "answers differ",
-                  style="bold green" if dense_text == sparse_text else "bold yellow")
+    console.print(
+        "same answer" if dense_text == sparse_text else "answers differ",
+        style="bold green" if dense_text == sparse_text else "bold yellow",
+    )
     write_json(output, {name: r.to_dict() for name, r in results.items()})
 
 
@@ -246,3 +264,7 @@ def main() -> None:
             console.print(f"error: {error}", style="bold red", markup=False)
             sys.exit(2)
         raise
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""Shared fixtures: the real embedded model (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    from sparsekv.models import load_model
+
+    model, tokenizer = load_model("default", dtype=torch.float32)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def real_model_fp64(real_model):
+    import copy
+
+    model, tokenizer = real_model
+    return copy.deepcopy(model).to(torch.float64), tokenizer

@@ -1,0 +1,50 @@
+"""Test helpers: run an enabled model with an explicit SparseCache and record every selection made."""
+
+from __future__ import annotations
+
+import torch
+
+import sparsekv
+from sparsekv.cache import SparseCache
+
+
+class Recorder:
+    """Records (layer, selection mask, visible, budgets) of every sparse attention call of a cache."""
+
+    def __init__(self, cache: SparseCache):
+        self.calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        record = cache.stats.record
+
+        def spy(layer_idx, selection, visible):
+            self.calls.append((layer_idx, selection.to_mask(visible.shape[-1]), visible, selection.counts()))
+            record(layer_idx, selection, visible)
+
+        cache.stats.record = spy
+
+    def per_layer(self) -> dict[int, list]:
+        out: dict[int, list] = {}
+        for layer, mask, visible, counts in self.calls:
+            out.setdefault(layer, []).append((mask, visible, counts))
+        return out
+
+
+@torch.inference_mode()
+def run_chunks(model, config, input_ids, prefix: int, chunk: int, attention_mask=None):
+    """Dense prefill of `prefix` tokens, then the rest in chunks of `chunk`; returns (logits of the non-prefix
+    positions, recorder)."""
+    cache = SparseCache.for_model(model, config)
+    recorder = Recorder(cache)
+    logits = []
+    with sparsekv.enabled(model, config):
+        bounds = [0, prefix, *range(prefix + chunk, input_ids.shape[1], chunk), input_ids.shape[1]]
+        bounds = sorted(set(bounds))
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            mask = None if attention_mask is None else attention_mask[:, :hi]
+            position_ids = None
+            if attention_mask is not None:
+                position_ids = (attention_mask[:, :hi].cumsum(-1) - 1).clamp(min=0)[:, lo:hi]
+            out = model(input_ids=input_ids[:, lo:hi], attention_mask=mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True)
+            if lo >= prefix:
+                logits.append(out.logits)
+    return torch.cat(logits, dim=1), recorder

@@ -1,0 +1,229 @@
+"""The core pipeline on the real embedded model, the public API and the config errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparsekv
+from sparsekv import ConfigError, SparseCache, SparseConfig
+from sparsekv.models import chat_prompt
+from tests.helpers import run_chunks
+
+PROMPT = "Write one sentence about the ocean."
+
+
+# ---------------------------------------------------------------- config validation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"method": "nope"}, "known methods: "),
+        ({"method": "oracle-topk", "budget": 0}, "budget must be > 0"),
+        ({"method": "oracle-topk", "budget": -3}, "budget must be > 0"),
+        ({"method": "oracle-topk", "budget": -0.5}, "budget must be > 0"),
+        ({"method": "oracle-topk", "budget": 1.0}, "fractional budget must be < 1"),
+        ({"method": "oracle-topk", "budget": 2.5}, "fractional budget must be < 1"),
+        ({"method": "oracle-topk", "budget": "10"}, "budget must be an int"),
+        ({"method": "oracle-topk", "top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"method": "oracle-topk", "top_p": 1.5}, "top_p must be in (0, 1]"),
+        ({"method": "oracle-topp"}, "oracle-topp needs top_p"),
+        ({"method": "oracle-topk", "gqa": "mean"}, "gqa must be one of"),
+        ({"method": "oracle-topk", "sink": -1}, "sink must be an int >= 0"),
+        ({"method": "oracle-topk", "budget": 8, "sink": 4, "local": 8}, "exceed the budget"),
+        ({"method": "oracle-topk", "dense_layers": (-1,)}, "dense_layers must be"),
+        ({"method": "streaming", "options": {"bogus": 1}}, "has no option(s) ['bogus']"),
+    ],
+)
+def test_invalid_config_raises_one_clear_error(kwargs, message):
+    with pytest.raises(ConfigError) as error:
+        SparseConfig(**kwargs)
+    assert message in str(error.value)
+
+
+def test_unknown_method_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="oracle-topk") as error:
+        SparseConfig(method="quset")
+    assert "dense" in str(error.value)
+
+
+def test_dense_layer_out_of_range_is_checked_against_the_model(real_model):
+    model, _ = real_model
+    with pytest.raises(ConfigError, match=r"dense layer\(s\) \[30\] out of range: the model has 30 layers"):
+        sparsekv.enable(model, SparseConfig(method="oracle-topk", dense_layers=(0, 30)))
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_fraction_budget_rounds_up_and_caps():
+    config = SparseConfig(method="oracle-topk", budget=0.1)
+    assert [config.tokens_for(n) for n in (1, 9, 10, 11, 1000)] == [1, 1, 1, 2, 100]
+    assert SparseConfig(method="oracle-topk", budget=64).tokens_for(20) == 20
+
+
+# ---------------------------------------------------------------- the real model
+
+
+def real_ids(tokenizer, text: str, length: int) -> torch.Tensor:
+    from sparsekv.assets import haystack_text
+
+    ids = tokenizer(text + haystack_text()[:20000], return_tensors="pt").input_ids[:, :length]
+    assert ids.shape[1] == length
+    return ids
+
+
+@pytest.mark.parametrize("method", sparsekv.available_methods())
+def test_budget_covering_context_reproduces_dense_logits_on_real_model(real_model, method):
+    from sparsekv.registry import get_method_class
+
+    if getattr(get_method_class(method), "lossy", False):
+        pytest.skip(f"{method} stores a lossy cache")
+    model, tokenizer = real_model
+    ids = real_ids(tokenizer, "", 160)
+    dense, _ = run_chunks(model, SparseConfig(method="dense"), ids, 128, chunk=16)
+    exact = {"top_p": 1.0} if get_method_class(method).consumes_top_p else {}
+    config = SparseConfig(method=method, budget=100_000, **exact)
+    sparse, recorder = run_chunks(model, config, ids, 128, chunk=16)
+    if not get_method_class(method).dense:
+        assert recorder.calls
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=2e-4)
+
+
+def test_oracle_topk_generous_budget_gives_the_dense_answer(real_model):
+    model, tokenizer = real_model
+    prompt = chat_prompt(tokenizer, "What is the capital of France? Answer in one word.")
+    dense = sparsekv.generate(model, tokenizer, prompt, SparseConfig(method="dense"), max_new_tokens=12)
+    sparse = sparsekv.generate(model, tokenizer, prompt, SparseConfig(method="oracle-topk", budget=0.5),
+                               max_new_tokens=12)
+    assert "Paris" in dense.texts[0]
+    assert sparse.texts == dense.texts
+    assert sparse.avg_budget_tokens < sparse.avg_context_tokens
+
+
+def test_sparse_selection_changes_the_output_when_the_budget_is_tiny(real_model):
+    """Guards against a pipeline that silently stays dense."""
+    model, tokenizer = real_model
+    ids = real_ids(tokenizer, "", 200)
+    dense, _ = run_chunks(model, SparseConfig(method="dense"), ids, 100, chunk=50)
+    sparse, recorder = run_chunks(model, SparseConfig(method="oracle-topk", budget=4), ids, 100, chunk=50)
+    assert (sparse - dense).abs().max() > 1e-2
+    assert all(int(counts.max()) <= 4 for *_, counts in recorder.calls)
+
+
+def test_batch_of_different_lengths_equals_each_prompt_alone(real_model):
+    model, tokenizer = real_model
+    prompts = [chat_prompt(tokenizer, "Name three colours of the rainbow."),
+               chat_prompt(tokenizer, "Tell me a fact about the moon and about the sun, briefly please.")]
+    config = SparseConfig(method="oracle-topk", budget=0.3)
+    batched = sparsekv.generate(model, tokenizer, prompts, config, max_new_tokens=10)
+    alone = [sparsekv.generate(model, tokenizer, p, config, max_new_tokens=10) for p in prompts]
+    assert batched.new_token_ids == [a.new_token_ids[0] for a in alone]
+
+
+def test_chunked_decode_equals_token_by_token_on_real_model(real_model_fp64):
+    model, tokenizer = real_model_fp64
+    ids = real_ids(tokenizer, "", 96)
+    config = SparseConfig(method="oracle-topk", budget=0.2, sink=2, local=4)
+    chunked, rec_chunked = run_chunks(model, config, ids, 64, chunk=32)
+    stepped, rec_stepped = run_chunks(model, config, ids, 64, chunk=1)
+    torch.testing.assert_close(chunked, stepped, rtol=0, atol=1e-8)
+    for layer, ((mask, _, _),) in rec_chunked.per_layer().items():
+        steps = [torch.nn.functional.pad(m, (0, 96 - m.shape[-1])) for m, _, _ in rec_stepped.per_layer()[layer]]
+        assert torch.equal(mask, torch.cat(steps, dim=2))
+
+
+def test_plain_generate_uses_a_sparse_cache_and_disable_restores(real_model):
+    model, tokenizer = real_model
+    ids = tokenizer(chat_prompt(tokenizer, PROMPT), return_tensors="pt").input_ids
+    reference = model.generate(ids, max_new_tokens=6, do_sample=False)
+    sparsekv.enable(model, SparseConfig(method="oracle-topk", budget=0.1))
+    try:
+        sparse = model.generate(ids, max_new_tokens=6, do_sample=False)
+        cache = sparsekv.last_cache(model)
+        assert isinstance(cache, SparseCache)
+        stats = cache.stats.summary()
+        assert stats["avg_budget_tokens"] < stats["avg_context_tokens"]
+        assert sorted(stats["per_layer_avg_tokens"]) == list(range(2, 30))
+    finally:
+        sparsekv.disable(model)
+    assert model.config._attn_implementation == "sdpa"
+    assert sparse.shape == reference.shape
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference)
+
+
+def test_bfloat16_on_cpu(real_model):
+    import copy
+
+    model, tokenizer = real_model
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    result = sparsekv.generate(model, tokenizer, chat_prompt(tokenizer, PROMPT),
+                               SparseConfig(method="oracle-topk", budget=0.2), max_new_tokens=5)
+    assert result.new_tokens == 5 and result.texts[0].strip()
+
+
+def test_non_empty_foreign_cache_is_rejected(real_model):
+    from transformers import DynamicCache
+
+    model, tokenizer = real_model
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    cache = DynamicCache(config=model.config)
+    model(ids, past_key_values=cache, use_cache=True)
+    with sparsekv.enabled(model, SparseConfig(method="oracle-topk")):
+        with pytest.raises(ConfigError, match="non-empty DynamicCache"):
+            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama-mha"])
+def test_other_architectures_decode_sparsely(shape):
+    from sparsekv.models import random_model
+
+    model = random_model(shape, dtype=torch.float32, seed=0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    config = SparseConfig(method="oracle-topk", budget=0.25, dense_layers=(0,))
+    dense = model.generate(ids, max_new_tokens=4, do_sample=False)
+    with sparsekv.enabled(model, config):
+        sparse = model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert sparsekv.last_cache(model).stats.summary()["avg_budget_tokens"] is not None
+    assert sparse.shape == dense.shape
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_generate_writes_json(tmp_path, real_model):
+    out = tmp_path / "out.json"
+    result = run_cli("generate", "--prompt", "What is the capital of France?", "--method", "oracle-topk",
+                     "--budget", "0.5", "--max-new-tokens", "8", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(out.read_text())
+    assert "Paris" in payload["text"]
+    assert payload["method"] == "oracle-topk"
+    assert 0 < payload["avg_budget_tokens"] < payload["avg_context_tokens"]
+    assert "tokens/s" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "nope"], "unknown method 'nope'"),
+        (["--budget", "1.5"], "fractional budget must be < 1"),
+        (["--budget", "abc"], "budget must be an int"),
+        (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--dense-layers", "0,99"], "out of range"),
+        (["--model", "/no/such/model/dir"], "/no/such/model/dir"),
+    ],
+)
+def test_cli_bad_input_is_one_line(args, message):
+    result = run_cli("generate", "--prompt", "hi", "--max-new-tokens", "1", *args)
+    assert result.returncode == 2
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr

@@ -1,0 +1,121 @@
+"""Properties every registered method must have; a new method joins this matrix by being in the registry.
+
+Runs on tiny random models in float64 so that equalities are exact up to rounding, not up to near-ties.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekv import SparseConfig, available_methods
+from sparsekv.registry import get_method_class
+from tests.helpers import run_chunks
+
+METHODS = available_methods()
+PREFIX, TOTAL = 24, 40
+
+
+def make_config(method: str, **overrides) -> SparseConfig:
+    cls = get_method_class(method)
+    settings = {"dense_layers": (0,), "top_p": 0.9 if cls.consumes_top_p else None, **overrides}
+    return SparseConfig(method=method, **settings)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-mha"])
+def tiny(request):
+    from sparsekv.models import random_model
+
+    return random_model(request.param, dtype=torch.float64, seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_gqa():
+    from sparsekv.models import random_model
+
+    return random_model("tiny-llama", dtype=torch.float64, seed=0)
+
+
+def random_ids(model, batch: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=generator)
+
+
+def expected_budget(config: SparseConfig, visible_counts: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([config.tokens_for(int(n)) for n in visible_counts.flatten()]).view_as(visible_counts)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("gqa", ["group", "head"])
+@pytest.mark.parametrize("budget", [6, 0.25])
+def test_selection_is_causal_and_within_budget(tiny, method, gqa, budget):
+    config = make_config(method, budget=budget, gqa=gqa, sink=1, local=1)
+    _, recorder = run_chunks(tiny, config, random_ids(tiny, 2, TOTAL, seed=1), PREFIX, chunk=8)
+    if get_method_class(method).dense:
+        assert recorder.calls == []
+        return
+    assert recorder.calls, "a sparse method made no selection"
+    for _, mask, visible, counts in recorder.calls:
+        assert not (mask & ~visible[:, None]).any(), "selected a future or padded token"
+        assert (counts >= 1).all()
+        if not get_method_class(method).consumes_top_p:
+            budgets = expected_budget(config, visible.sum(-1))[:, None].expand_as(counts)
+            assert (counts <= budgets).all(), f"{method} selected more than its budget"
+        first = visible.float().argmax(-1)  # sink: first visible token
+        assert mask.gather(-1, first[:, None, :, None].expand(-1, mask.shape[1], -1, 1)).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_budget_covering_the_context_reproduces_dense(tiny, method):
+    if getattr(get_method_class(method), "lossy", False):
+        pytest.skip(f"{method} stores a lossy cache")
+    ids = random_ids(tiny, 2, TOTAL, seed=2)
+    dense, _ = run_chunks(tiny, SparseConfig(method="dense"), ids, PREFIX, chunk=8)
+    exact = {"top_p": 1.0} if get_method_class(method).consumes_top_p else {}
+    sparse, _ = run_chunks(tiny, make_config(method, budget=10_000, **exact), ids, PREFIX, chunk=8)
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("gqa", ["group", "head"])
+def test_chunked_decode_equals_token_by_token(tiny_gqa, method, gqa):
+    config = make_config(method, budget=0.3, gqa=gqa)
+    ids = random_ids(tiny_gqa, 2, TOTAL, seed=3)
+    chunked_logits, chunked = run_chunks(tiny_gqa, config, ids, PREFIX, chunk=TOTAL - PREFIX)
+    stepped_logits, stepped = run_chunks(tiny_gqa, config, ids, PREFIX, chunk=1)
+    torch.testing.assert_close(chunked_logits, stepped_logits, rtol=0, atol=1e-9)
+    chunked_layers, stepped_layers = chunked.per_layer(), stepped.per_layer()
+    assert chunked_layers.keys() == stepped_layers.keys()
+    for layer, calls in chunked_layers.items():
+        (chunk_mask, _, _), = calls
+        step_masks = [torch.nn.functional.pad(m, (0, TOTAL - m.shape[-1])) for m, _, _ in stepped_layers[layer]]
+        assert torch.equal(chunk_mask, torch.cat(step_masks, dim=2)), f"layer {layer}: selections differ"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_with_padding_equals_each_sequence_alone(tiny_gqa, method):
+    config = make_config(method, budget=0.3)
+    lengths, new = (30, 21), 8
+    width = max(lengths)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    alone = []
+    for row, length in enumerate(lengths):
+        seq = random_ids(tiny_gqa, 1, length, seed=10 + row)
+        ids[row, width - length :] = seq[0]
+        mask[row, width - length :] = 1
+        logits, _ = run_chunks(tiny_gqa, config, seq, length - new, chunk=4)
+        alone.append(logits[0])
+    batched, _ = run_chunks(tiny_gqa, config, ids, width - new, chunk=4, attention_mask=mask)
+    for row in range(2):
+        torch.testing.assert_close(batched[row], alone[row], rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_deterministic(tiny_gqa, method):
+    config = make_config(method, budget=0.25)
+    ids = random_ids(tiny_gqa, 2, TOTAL, seed=4)
+    first, rec_a = run_chunks(tiny_gqa, config, ids, PREFIX, chunk=8)
+    second, rec_b = run_chunks(tiny_gqa, config, ids, PREFIX, chunk=8)
+    assert torch.equal(first, second)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(rec_a.calls, rec_b.calls))
