@@ -274,3 +274,9 @@ def test_cli_commands_registered():
     gemfilter.register(app)
     names = {command.name for command in app.registered_commands}
     assert {"gemfilter-scan", "gemfilter-generate"} <= names
+    from typer.testing import CliRunner
+
+    for name in ("gemfilter-scan", "gemfilter-generate"):
+        result = CliRunner().invoke(app, [name, "--help"])
+        assert result.exit_code == 0, result.output
+    assert "--show-selected" in CliRunner().invoke(app, ["gemfilter-generate", "--help"]).output
