@@ -105,7 +105,31 @@ def config_key(config: SparseConfig) -> dict:
     }
     if config.top_p is not None and not cls.consumes_top_p:
         key["pruner_source"] = _source_digest(TOP_P_PRUNER)
+    files = _file_stamps([v for v in config.options.values() if isinstance(v, str)])
+    if files:
+        key["option_files"] = files
+    key["data"] = _data_stamp()
     return key
+
+
+def _file_stamps(values: list[str]) -> list:
+    """(name, size, mtime) of option values that are existing files (checkpoints), so a retrained one counts."""
+    stamps = []
+    for value in values:
+        path = Path(value).expanduser()
+        if len(value) < 1024 and path.is_file():
+            stat = path.stat()
+            stamps.append((str(path.resolve()), stat.st_size, int(stat.st_mtime)))
+    return stamps
+
+
+def _data_stamp() -> str:
+    """Digest of the names, sizes and mtimes of the shipped files in sparsekv/data (checkpoints used by 'auto')."""
+    folder = Path(__file__).resolve().parent.parent / "data"
+    if not folder.is_dir():
+        return "none"
+    entries = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sorted(folder.rglob("*")) if p.is_file()]
+    return digest(entries)
 
 
 def describe(config: SparseConfig) -> str:

@@ -13,6 +13,7 @@ No method-specific code: any registered method is observed through the same hook
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -72,7 +73,11 @@ def compare_selection(step: DecodeStep, selection: Selection) -> dict[str, torch
 
 
 class SelectionObserver:
-    """Wraps the `attend` of every sparse layer's selector in one cache (instance attributes, nothing global)."""
+    """Wraps the `attend` of every sparse layer's selector in one cache (instance attributes, nothing global).
+
+    Methods that keep K/V themselves (`stores_kv`, compressed caches) hand attention a stand-in for the keys; for
+    them `store` is wrapped too and the observer keeps a full-precision shadow copy of K for the oracle.
+    """
 
     def __init__(self, cache: SparseCache):
         self.sums: dict[int, dict[str, torch.Tensor]] = {}
@@ -83,9 +88,23 @@ class SelectionObserver:
 
     def _wrap(self, layer_idx: int, selector) -> None:
         original = selector.attend
+        shadow: list[torch.Tensor] = []
+        if getattr(selector, "stores_kv", False):
+            original_store = selector.store
+
+            def store(key_states, value_states):
+                shadow.append(key_states.detach())
+                return original_store(key_states, value_states)
+
+            selector.store = store
 
         def attend(step, selection, scaling):
-            metrics = compare_selection(step, selection)
+            observed = step
+            if shadow:
+                observed = dataclasses.replace(step, keys=torch.cat(shadow, dim=-2) if len(shadow) > 1 else shadow[0])
+                if len(shadow) > 1:
+                    shadow[:] = [observed.keys]
+            metrics = compare_selection(observed, selection)
             for name, value in metrics.items():
                 per_head = value.double().sum(dim=(0, 2)).cpu()  # [S]
                 bucket = self.sums.setdefault(layer_idx, {})

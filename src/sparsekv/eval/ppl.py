@@ -116,8 +116,9 @@ def run_ppl(
         for cfg in configs:
             parts = []
             for w in range(settings.windows):
-                key = {**handle.key, "text": text_id, "settings": settings.__dict__, "window": w,
-                       "config": config_key(cfg)}  # fmt: skip
+                # the chunk size changes the speed, not the result: it is not part of the key
+                shape = {k: v for k, v in settings.__dict__.items() if k != "chunk"}
+                key = {**handle.key, "text": text_id, "settings": shape, "window": w, "config": config_key(cfg)}
                 progress.label(f"{describe(cfg)} window {w + 1}/{settings.windows}")
 
                 def compute(w=w, cfg=cfg):
