@@ -85,6 +85,8 @@ def _partial_kernel(
         ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
         idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
         kt = tl.load(k_base + idx[:, None] * skn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
+        # V issued with K: both gathers are in flight before the first dot needs K
+        vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         sc = tl.dot(q, tl.trans(kt)) * qk_scale  # [GP, BLOCK], log2 domain
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -92,7 +94,6 @@ def _partial_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
     has = l_i > 0

@@ -122,9 +122,12 @@ def _hist_kernel(
     SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
-    for i in range(blocks_per_chunk):
-        offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
-        nmask = offs < N
+    # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time;
+    # BLOCK is usually the whole chunk, so each program issues one wide load instead of a dependent loop
+    for i in range(0, blocks_per_chunk, BLOCK):
+        loc = i + tl.arange(0, BLOCK)
+        offs = c * blocks_per_chunk + loc
+        nmask = (offs < N) & (loc < blocks_per_chunk)
         s = tl.load(row_ptr + offs, mask=nmask, other=0)
         h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
     out = hist_ptr + ((LEVEL * num_rows + r) * num_chunks + c) * (1 << NBITS)
@@ -161,9 +164,12 @@ def _compact_kernel(
     base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     out_row = out_ptr + r.to(tl.int64) * k
-    for i in range(blocks_per_chunk):
-        offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
-        nmask = offs < N
+    # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time;
+    # BLOCK is usually the whole chunk, so each program issues one wide load instead of a dependent loop
+    for i in range(0, blocks_per_chunk, BLOCK):
+        loc = i + tl.arange(0, BLOCK)
+        offs = c * blocks_per_chunk + loc
+        nmask = (offs < N) & (loc < blocks_per_chunk)
         key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
@@ -203,16 +209,23 @@ def int_levels(num_values: int) -> tuple[int, int]:
     return triton.cdiv(key_bits, nbits), nbits
 
 
+def _sblock(chunk_len: int) -> int:
+    return min(8192, triton.next_power_of_2(chunk_len))
+
+
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False):
-    """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it)."""
+    """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
+    Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the same split as the histograms."""
     rows, n = src.shape
     if hist is None:
         hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=src.device)
+    chunk_len = bpc * block
+    sb = _sblock(chunk_len)
     for level in range(1 if first_done else 0, levels):
         _hist_kernel[(num_chunks, rows)](
-            src, hist, n, src.stride(0), lo, k, rows, num_chunks, bpc,
+            src, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
-            BLOCK=block, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6, num_warps=4,
+            BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6, num_warps=8 if sb >= 4096 else 4,
         )  # fmt: skip
     return hist
 
@@ -220,12 +233,14 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
 def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc):
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic."""
     rows, n = src.shape
-    assert block < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
+    chunk_len = bpc * block
+    sb = _sblock(chunk_len)
+    assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
     out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
     _compact_kernel[(num_chunks, rows)](
-        src, out, hist, n, src.stride(0), lo, k, rows, num_chunks, bpc,
-        LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=block,
-        num_warps=4,
+        src, out, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
+        LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
+        num_warps=8 if sb >= 4096 else 4,
     )  # fmt: skip
     return out
 
