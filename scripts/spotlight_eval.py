@@ -115,8 +115,10 @@ def main() -> None:
             }
             print(layer, json.dumps(per_layer[str(layer)]), flush=True)
         names = per_layer[str(layers[0])].keys()
-        mean = {n: {p: sum(per_layer[str(i)][n][p] for i in layers if n in per_layer[str(i)]) / len(layers)
-                    for p in ("group", "head")} for n in names}
+        mean = {}
+        for n in names:
+            having = [per_layer[str(i)][n] for i in layers if n in per_layer[str(i)]]
+            mean[n] = {p: sum(h[p] for h in having) / len(having) for p in ("group", "head")} | {"layers": len(having)}
         result["iou"] = {"mean": mean, "per_layer": per_layer, "seconds": time.perf_counter() - t0,
                          "window": args.iou_window, "queries_per_window": len(positions)}
         print("IoU mean", json.dumps(mean, indent=1), flush=True)
