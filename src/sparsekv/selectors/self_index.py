@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,9 @@ from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
+
+if TYPE_CHECKING:  # CLI option types (resolved at runtime by `register`)
+    from sparsekv.cli import DenseLayersOpt, DeviceOpt, DtypeOpt, ModelOpt, OptionOpt, OutputOpt  # noqa: F401
 
 GROUP_DIMS = 4  # channels per sign-pattern group (16 centroids per group)
 QUANT_GROUP = 32  # elements per (scale, zero) pair
@@ -677,18 +680,12 @@ def register(app) -> None:
 
     import typer
 
-    from sparsekv.cli import (
-        DenseLayersOpt,
-        DeviceOpt,
-        DtypeOpt,
-        ModelOpt,
-        OptionOpt,
-        OutputOpt,
-        build_config,
-        console,
-        load,
-        write_json,
-    )
+    from sparsekv import cli
+
+    # this module uses postponed annotations: typer resolves them in the module globals, so put the names there
+    globals().update(Annotated=Annotated, typer=typer, ModelOpt=cli.ModelOpt, DenseLayersOpt=cli.DenseLayersOpt,
+                     OptionOpt=cli.OptionOpt, DeviceOpt=cli.DeviceOpt, DtypeOpt=cli.DtypeOpt, OutputOpt=cli.OutputOpt)
+    build_config, console, load, write_json = cli.build_config, cli.console, cli.load, cli.write_json
 
     @app.command("cache-memory")
     def cache_memory_command(
