@@ -20,6 +20,7 @@ from sparsekv.cli import (
     TopPOpt,
     build_config,
     console,
+    parse_layers,
     parse_options,
     write_json,
 )
@@ -390,8 +391,7 @@ def compare(
 
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     budget_list = parse_budgets(budgets)
-    base = {"top_p": top_p, "dense_layers": tuple(int(x) for x in dense_layers.split(",") if x.strip()),
-            "sink": sink, "local": local, "gqa": gqa}  # fmt: skip
+    base = {"top_p": top_p, "dense_layers": parse_layers(dense_layers), "sink": sink, "local": local, "gqa": gqa}
     runner, settings_note = _task_runner(task, model, device, dtype, result_cache(cache_dir, no_cache), text_file,
                                          context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
                                          samples, prompts_file, seed)  # fmt: skip
