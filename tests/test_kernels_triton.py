@@ -60,7 +60,7 @@ def _codes(shape, gen):
 
 
 @here
-@pytest.mark.parametrize("bits,hq,hkv,n", [(128, 8, 2, 1000), (70, 3, 3, 333)])
+@pytest.mark.parametrize("bits,hq,hkv,n", [(128, 8, 2, 1000), (70, 3, 3, 333), (1024, 2, 1, 150)])
 def test_hamming_triton(impl, bits, hq, hkv, n):
     gen = torch.Generator().manual_seed(n)
     w = (bits + 31) // 32

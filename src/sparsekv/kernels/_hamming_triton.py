@@ -107,6 +107,8 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
     rows = b * hkv * q
     out = torch.empty(b, hkv, q, n, dtype=out_dtype, device=key_codes.device)
     block = (TUNE["block"] if radix is not None else TUNE["block_plain"]) if n >= 8192 else 128
+    # long codes (e.g. 1024-bit LSH, 32 words) keep the [block, words] tile within ~16 registers per thread
+    block = min(block, max(16, 4096 // next_pow2(w)))
     levels, nbits = radix or (1, 1)
     num_chunks, bpc = chunking(
         rows, n, block, key_codes.device, max_chunks=max_chunks(nbits), progs_per_sm=TUNE["progs_per_sm"]
