@@ -53,7 +53,7 @@ from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
 
 if TYPE_CHECKING:  # CLI option types (resolved at runtime by `register`)
-    from sparsekv.cli import DenseLayersOpt, DeviceOpt, DtypeOpt, ModelOpt, OptionOpt, OutputOpt  # noqa: F401
+    from sparsekv.cli import DenseLayersOpt, DeviceOpt, DtypeOpt, ModelOpt, OptionOpt, OutputOpt
 
 GROUP_DIMS = 4  # channels per sign-pattern group (16 centroids per group)
 QUANT_GROUP = 32  # elements per (scale, zero) pair
