@@ -42,6 +42,7 @@ def enable(model, config: SparseConfig) -> SparseRuntime:
         raise ConfigError(f"enable() needs a SparseConfig, got {type(config).__name__}")
     infos = layer_infos(model)
     config.check_model(len(infos))
+    get_method_class(config.method).check_model(model, config)
     if getattr(model, _STATE_ATTR, None) is not None:
         disable(model)
     register()

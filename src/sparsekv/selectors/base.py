@@ -122,6 +122,11 @@ class TokenSelector:
     stores_kv: ClassVar[bool] = False
 
     @classmethod
+    def check_model(cls, model, config: SparseConfig) -> None:
+        """Raises ConfigError when the method cannot run on `model` (called by `enable`), e.g. a checkpoint
+        made for another model."""
+
+    @classmethod
     def filter_prompt(
         cls, model, input_ids: torch.Tensor, attention_mask: torch.Tensor, config: SparseConfig
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -303,11 +303,6 @@ class SpotlightSelector(TokenSelector):
         if ckpt not in ("auto", "none"):
             check_fingerprint(read_header(ckpt)["fingerprint"], model, f"spotlight checkpoint {ckpt!r}")
 
-    @classmethod
-    def filter_prompt(cls, model, input_ids, attention_mask, config):
-        cls.check_model(model, config)  # generate() hands us the model here: verify the checkpoint once per call
-        return input_ids, attention_mask
-
     def __post_init__(self) -> None:
         self.hash_fn = copy.deepcopy(resolve_hash(self.layer, self.checkpoint, self.bits, self.hash, self.seed))
         self.code_bits = self.hash_fn.bits
