@@ -1,0 +1,200 @@
+"""One measurement run of the self-index cache on the default model (CPU), sections written as they finish.
+
+    PYTHONPATH=src python scripts/self_index_eval.py --output runs/self_index_eval.json [--quick] [--sections ...]
+
+* memory: `measure_cache_memory` (bytes of the tensors held) after a 4K haystack prefill + 8 decode steps, vs a
+  bf16 dense cache (per component; the compressed layers' ratio does not depend on which layers stay dense);
+* ppl: `sparsekv.eval.ppl.run_ppl` on one 4K window of the haystack: dense prefill of 3072 tokens, then the other
+  1024 in chunks of 256 through the enabled model (each query selects from its own causal past: decode-faithful),
+  dense vs self-index 2-bit at 10% (ppl16: the 16-bit variant);
+* niah: `sparsekv.eval.niah.run_niah`, 1K/2K/3K tokens at depth 0.5, dense vs self-index 2-bit at 10% (niah16);
+* iou: post-RoPE q/k captured from one dense pass over 2K tokens; prompt = first half (mu, codebook, lsh centring),
+  24 queries in the second half; top-10% of each scorer vs oracle top-10% (group-summed softmax weights), IoU
+  averaged over the sparse layers and kv-heads. Scorers: self-index LUT (1 bit/dim + 16 centroids per 4 dims),
+  lsh simhash with head_dim bits (1 bit/dim, keys centred), sign-only Hamming (the paper's ablation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from sparsekv import SparseConfig
+
+
+def memory_section(model, tokenizer, quick: bool) -> dict:
+    from sparsekv.selectors.self_index import measure_cache_memory
+
+    out = {}
+    runs = [(4096, "0,1", {})]  # the compressed layers' ratio does not depend on which layers stay dense
+    for context, dense, options in runs:
+        layers = tuple(int(x) for x in dense.split(",") if x)
+        config = SparseConfig(method="self-index", budget=0.1, dense_layers=layers, options=options)
+        report = measure_cache_memory(model, tokenizer, config, context, decode_tokens=8)
+        key = f"ctx{context}_dense[{dense}]_{options.get('kv_bits', 2)}bit"
+        out[key] = report
+        print(f"memory {key}: {report['bytes_per_token']:.0f} B/token, overall {100 * report['ratio_vs_bf16']:.1f}% "
+              f"of bf16; compressed layers {100 * (report['compressed_layers_ratio_vs_bf16'] or 0):.1f}%", flush=True)
+    return out
+
+
+SI2 = SparseConfig(method="self-index", budget=0.1)
+SI16 = SparseConfig(method="self-index", budget=0.1, options={"kv_bits": 16})
+DENSE = SparseConfig(method="dense")
+
+
+def ppl_section(model, tokenizer, quick: bool, configs: dict | None = None) -> dict:
+    from sparsekv.eval.common import ModelHandle
+    from sparsekv.eval.ppl import PplSettings, run_ppl
+
+    handle = ModelHandle(model=model, tokenizer=tokenizer, name="default")
+    settings = PplSettings(context=1024 if quick else 4096, prefix=768 if quick else 3072, chunk=256, windows=1)
+    configs = configs or {"dense": DENSE, "self-index-2bit": SI2}
+    out = {}
+    for name, config in configs.items():
+        start = time.perf_counter()
+        out[name] = run_ppl(handle, config, settings)
+        print(f"ppl {name}: {out[name]['ppl']:.3f} (budget {out[name].get('avg_budget_fraction')}) "
+              f"{time.perf_counter() - start:.0f}s", flush=True)
+    return out
+
+
+def capture_qk(model, ids: torch.Tensor) -> tuple[dict, dict]:
+    """Post-RoPE queries and keys of every layer from one dense forward."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    queries, keys = {}, {}
+
+    def capture(module, query, key, value, attention_mask, **kwargs):
+        queries[module.layer_idx], keys[module.layer_idx] = query.detach(), key.detach()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("si-capture", capture)
+    AttentionMaskInterface.register("si-capture", sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("si-capture")
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, use_cache=False)
+    finally:
+        model.set_attn_implementation(previous)
+    return queries, keys
+
+
+def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """[..., N] -> bool mask of the k best (ties towards later positions, as a stable descending sort of the
+    reversed row would do)."""
+    order = scores.flip(-1).sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    mask = torch.zeros_like(scores, dtype=torch.bool)
+    mask.scatter_(-1, scores.shape[-1] - 1 - order, True)
+    return mask
+
+
+def iou_section(model, tokenizer, quick: bool) -> dict:
+    from sparsekv.assets import haystack_text
+    from sparsekv.kernels.bits import pack_sign_bits
+    from sparsekv.kernels.hamming import hamming_scores
+    from sparsekv.selectors.lsh import hash_codes, projection_matrix
+    from sparsekv.selectors.self_index import lut_scores, one_pass_centroids, sign_codes
+
+    context = 1024 if quick else 2048
+    prompt = context // 2
+    ids = tokenizer(haystack_text()[: context * 8], add_special_tokens=False, return_tensors="pt").input_ids[:, :context]
+    queries, keys = capture_qk(model, ids)
+    cfg = model.config
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    g = hq // hkv
+    positions = torch.linspace(prompt, context - 1, 16 if quick else 24).round().long().unique()
+    results = {"context": context, "prompt": prompt, "queries": len(positions), "budget": 0.1, "per_layer": {}}
+    sums = {"self_index_lut": [], "lsh_simhash_same_bits": [], "sign_only_hamming": []}
+    for layer in sorted(queries):
+        if layer in (0, 1):
+            continue  # dense layers
+        q = queries[layer].float()  # [1, Hq, N, d]
+        k = keys[layer].float()  # [1, Hkv, N, d]
+        d = k.shape[-1]
+        mu = k[:, :, :prompt].mean(2, keepdim=True)
+        centred = k - mu
+        cents = one_pass_centroids(centred[:, :, :prompt], sign_codes(centred[:, :, :prompt]))
+        codes = sign_codes(centred)
+        qs = q[:, :, positions]  # [1, Hq, P, d]
+        q_group = qs.view(1, hkv, g, len(positions), d).sum(2)
+        lut = lut_scores(q_group, cents, codes)  # [1, Hkv, P, N]
+        proj = projection_matrix(d, d, "simhash", seed=0)
+        lsh = hamming_scores(hash_codes(qs, proj), hash_codes(centred, proj), bits=d).float()
+        sign_only = hamming_scores(pack_sign_bits(qs), pack_sign_bits(centred), bits=d).float()
+        logits = torch.matmul(qs, k.repeat_interleave(g, dim=1).transpose(-1, -2)) / math.sqrt(d)
+        n = k.shape[2]
+        causal = torch.arange(n)[None, :] <= positions[:, None]  # [P, N]
+        weights = torch.softmax(logits.masked_fill(~causal, float("-inf")), -1).view(1, hkv, g, -1, n).sum(2)
+        row = {}
+        for name, scores in (("self_index_lut", lut), ("lsh_simhash_same_bits", lsh), ("sign_only_hamming", sign_only)):
+            ious = []
+            for i, p in enumerate(positions.tolist()):
+                visible = p + 1
+                kk = max(1, math.ceil(0.1 * visible))
+                truth = topk_mask(weights[..., i, :visible], kk)
+                guess = topk_mask(scores[..., i, :visible], kk)
+                ious.append((truth & guess).sum(-1).float() / (truth | guess).sum(-1).float())  # [1, Hkv]
+            per_head = torch.stack(ious).mean(0)[0]
+            row[name] = per_head.tolist()
+            sums[name].append(per_head.mean().item())
+        results["per_layer"][layer] = row
+        print(f"iou layer {layer}: " + ", ".join(f"{k_}={sum(v) / len(v):.3f}" for k_, v in row.items()), flush=True)
+    results["mean"] = {name: sum(v) / len(v) for name, v in sums.items()}
+    print("iou mean:", results["mean"], flush=True)
+    return results
+
+
+def niah_section(model, tokenizer, quick: bool, configs: dict | None = None) -> dict:
+    from sparsekv.eval.common import ModelHandle
+    from sparsekv.eval.niah import NiahSettings, run_niah
+
+    handle = ModelHandle(model=model, tokenizer=tokenizer, name="default")
+    settings = NiahSettings(lengths=(1000,) if quick else (1000, 2000, 3000),
+                            depths=(0.5,), max_new_tokens=24)
+    configs = configs or {"dense": DENSE, "self-index-2bit": SI2}
+    out = {}
+    for name, config in configs.items():
+        start = time.perf_counter()
+        out[name] = run_niah(handle, config, settings)
+        grid = {f"{c['length']}/{c['depth']}": round(c["score"], 2) for c in out[name]["cells"]}
+        print(f"niah {name}: mean {out[name]['score']:.3f} {grid} {time.perf_counter() - start:.0f}s", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output", type=Path, default=Path("runs/self_index_eval.json"))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sections", default="memory,ppl,niah,iou,ppl16,niah16")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    from sparsekv.models import load_model
+
+    model, tokenizer = load_model("default", dtype=torch.float32)
+    results = json.loads(args.output.read_text()) if args.output.exists() else {}
+    results["quick"] = args.quick
+    sections = {
+        "memory": memory_section, "iou": iou_section, "ppl": ppl_section, "niah": niah_section,
+        "ppl16": lambda m, t, q: ppl_section(m, t, q, {"self-index-16bit": SI16}),
+        "niah16": lambda m, t, q: niah_section(m, t, q, {"self-index-16bit": SI16}),
+    }
+    for name in args.sections.split(","):
+        start = time.perf_counter()
+        results[name] = sections[name](model, tokenizer, args.quick)
+        results[name + "_seconds"] = time.perf_counter() - start
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
