@@ -104,6 +104,12 @@ def run_kernels(
     for stage in ("levels", "compact"):
         out.append(Row(f"  select stage: {stage}", "sweep", graph_us(lambda i, st=stage: sub(i, st), L),
                        rows_kv * n * 2))  # fmt: skip
+    tk.COMPACT_MODE["mode"] = "atomic"
+    out.append(Row("  select stage: compact, atomic slots", "sweep", graph_us(lambda i: sub(i, "compact"), L),
+                   rows_kv * n * 2))  # fmt: skip
+    out.append(Row("  select from histogram, atomic slots", "sweep",
+                   graph_us(lambda i: ham.hamming_select(states[i], k), L), rows_kv * n * 2 + rows_kv * k * 8))  # fmt: skip
+    tk.COMPACT_MODE["mode"] = "scan"
     tk.HIST_MODE["mode"] = "onehot"
     out.append(Row("  score+histogram with one-hot histogram", "sweep",
                    graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),

@@ -65,6 +65,9 @@ def derive_threshold(
 # and bin, no atomics) or "atomic" (tl.histogram: shared-memory atomics, slow under the heavy contention of
 # concentrated scores). The kernel benchmark sweeps this.
 HIST_MODE = {"mode": "atomic"}
+# compaction slots: "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one
+# counter per row; a block scan only in the chunk that straddles the equal-key quota)
+COMPACT_MODE = {"mode": "scan"}
 
 
 @triton.jit
@@ -122,8 +125,7 @@ def _hist_kernel(
     SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
-    # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time;
-    # BLOCK is usually the whole chunk, so each program issues one wide load instead of a dependent loop
+    # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time
     for i in range(0, blocks_per_chunk, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
@@ -139,6 +141,7 @@ def _compact_kernel(
     src_ptr,
     out_ptr,
     hist_ptr,
+    cnt_ptr,
     N,
     stride_row,
     lo,
@@ -151,6 +154,7 @@ def _compact_kernel(
     CP: tl.constexpr,
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
+    ATOMIC: tl.constexpr,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -164,8 +168,13 @@ def _compact_kernel(
     base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     out_row = out_ptr + r.to(tl.int64) * k
-    # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time;
-    # BLOCK is usually the whole chunk, so each program issues one wide load instead of a dependent loop
+    if ATOMIC:
+        # Set semantics allow any output order, so slots come from one atomic counter per row. Only the order
+        # of equal keys matters (the first `need_eq` by position), and only the chunk that straddles that
+        # quota needs ranks: every other chunk takes all or none of its equal keys.
+        eq_here = tl.sum(tl.where(chunks == c, eq_chunk, 0), axis=0)
+        take_all = base_eq + eq_here <= need_eq
+        boundary = (base_eq < need_eq) & (base_eq + eq_here > need_eq)
     for i in range(0, blocks_per_chunk, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
@@ -173,17 +182,29 @@ def _compact_kernel(
         key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
-        m_eq = m_eq & ((base_eq + tl.zeros_like(offs)) < need_eq)  # equal keys past the quota need no scan
-        # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
-        packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
-        total = tl.sum(packed, axis=0)
-        if total != 0:
-            cs = tl.cumsum(packed, axis=0)
-            tl.store(out_row + base_gt + (cs & 0xFFFF) - 1, offs.to(tl.int64), mask=m_gt)
-            rank = base_eq + (cs >> 16) - 1
-            tl.store(out_row + cnt_gt + rank, offs.to(tl.int64), mask=m_eq & (rank < need_eq))
-            base_gt += total & 0xFFFF
-            base_eq += total >> 16
+        if ATOMIC:
+            if boundary:
+                rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
+                sel = m_gt | (m_eq & (rank < need_eq))
+                base_eq += tl.sum(m_eq.to(tl.int32), axis=0)
+            else:
+                sel = m_gt | (m_eq & (take_all + tl.zeros_like(offs) != 0))
+            slot = tl.atomic_add(cnt_ptr + r + tl.zeros_like(offs), 1, mask=sel)
+            tl.store(out_row + slot, offs.to(tl.int64), mask=sel)
+        else:
+            m_eq = m_eq & (
+                (base_eq + tl.zeros_like(offs)) < need_eq
+            )  # equal keys past the quota need no scan
+            # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
+            packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
+            total = tl.sum(packed, axis=0)
+            if total != 0:
+                cs = tl.cumsum(packed, axis=0)
+                tl.store(out_row + base_gt + (cs & 0xFFFF) - 1, offs.to(tl.int64), mask=m_gt)
+                rank = base_eq + (cs >> 16) - 1
+                tl.store(out_row + cnt_gt + rank, offs.to(tl.int64), mask=m_eq & (rank < need_eq))
+                base_gt += total & 0xFFFF
+                base_eq += total >> 16
 
 
 def chunking(
@@ -239,10 +260,12 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     sb = _sblock(chunk_len)
     assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
     out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
+    atomic = COMPACT_MODE["mode"] == "atomic"
+    cnt = torch.zeros(rows if atomic else 1, dtype=torch.int32, device=src.device)
     _compact_kernel[(num_chunks, rows)](
-        src, out, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
+        src, out, hist, cnt, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
-        num_warps=4,
+        ATOMIC=atomic, num_warps=4,
     )  # fmt: skip
     return out
 
