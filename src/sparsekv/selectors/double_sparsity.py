@@ -9,8 +9,7 @@ of every key at `precision` (int8 with a per-token scale, fp8 e4m3, bf16, fp16 o
 the same channels.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: typer reads the calibrate-ds signature, whose types are local names
 import json
 from dataclasses import dataclass
 from functools import lru_cache

@@ -21,6 +21,7 @@ from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_sel
 
 LSH_VARIANTS = ("simhash", "rotation")
 MAX_BITS = 4096
+HASH_BLOCK = 1024
 
 
 def unique_ranks(scores: torch.Tensor) -> torch.Tensor:
@@ -146,8 +147,9 @@ class LSHSelector(TokenSelector):
             real = step.visible[:, 0, : self.prompt_length].to(torch.float32)[:, None, :, None]  # [B,1,P,1]
             prompt = keys[..., : self.prompt_length, :].float()
             self.key_mean = (prompt * real).sum(2, keepdim=True) / real.sum(2, keepdim=True).clamp(min=1)
-        new = keys[..., self.key_codes.length :, :].float()
-        if new.shape[-2]:
+        # blocks bound the [tokens, bits] float and int64 temporaries of hashing a long prompt
+        for lo in range(self.key_codes.length, keys.shape[-2], HASH_BLOCK):
+            new = keys[..., lo : lo + HASH_BLOCK, :].float()
             if self.key_mean is not None:
                 new = new - self.key_mean
             self.key_codes.append(hash_codes(new, self.projection))

@@ -63,7 +63,7 @@ class QuestSelector(TokenSelector):
         keys = step.keys
         n = keys.shape[-2]
         if self.start is None:
-            self.start = step.visible[:, 0, : self.prompt_length].to(torch.int8).argmax(-1)
+            self.start = step.visible[:, 0, : self.prompt_length].to(torch.int32).argmax(-1)
         if self.built >= n:
             return
         batch, heads, _, dim = keys.shape
