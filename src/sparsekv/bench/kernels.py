@@ -60,10 +60,10 @@ def run_kernels(
     default = dict(ham.TUNE)
     sweep = (
         (512, 4, False, 4),
+        (512, 4, True, 8),
         (512, 4, True, 16),
+        (512, 4, True, 32),
         (1024, 4, True, 16),
-        (256, 4, True, 16),
-        (1024, 8, True, 8),
     )
     for blk, nw, vec, pps in sweep:
         ham.TUNE.update(block=blk, block_plain=blk, num_warps=nw, vec=vec, progs_per_sm=pps)
@@ -74,6 +74,12 @@ def run_kernels(
         out.append(Row(f"  scores int32 {tag}", "sweep",
                        graph_us(lambda i: ham.hamming_scores_triton(qc[i], kc[i], bits=bits), L),
                        code_bytes + rows_kv * n * 4))  # fmt: skip
+    for pps in (8, 32):
+        ham.TUNE.update(progs_per_sm=pps)
+        st_p = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
+        out.append(Row(f"  select after scorer with progs/SM={pps}", "sweep",
+                       graph_us(lambda i, st_p=st_p: ham.hamming_select(st_p[i], k), L), rows_kv * n * 2))  # fmt: skip
+        st_p = None
     ham.TUNE.update(default)
     states = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
     out.append(
@@ -104,6 +110,9 @@ def run_kernels(
     for stage in ("levels", "compact"):
         out.append(Row(f"  select stage: {stage}", "sweep", graph_us(lambda i, st=stage: sub(i, st), L),
                        rows_kv * n * 2))  # fmt: skip
+    tk.COMPACT_MODE["mode"] = "scan_nobranch"
+    out.append(Row("  select stage: compact, no branch", "sweep", graph_us(lambda i: sub(i, "compact"), L),
+                   rows_kv * n * 2))  # fmt: skip
     tk.COMPACT_MODE["mode"] = "atomic"
     out.append(Row("  select stage: compact, atomic slots", "sweep", graph_us(lambda i: sub(i, "compact"), L),
                    rows_kv * n * 2))  # fmt: skip
