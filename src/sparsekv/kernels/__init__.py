@@ -1,2 +1,15 @@
-"""Hot ops of the sparse decode step. Each module exposes one function: a plain-PyTorch reference on CPU,
-a Triton kernel on CUDA where one exists, with the same signature."""
+"""Hot ops of the sparse decode step. Each module exposes one public function with a plain-PyTorch reference
+`<op>_reference` of the same signature; on CUDA (with triton installed) the public function runs a Triton
+kernel, elsewhere the reference. SPARSEKV_DISABLE_TRITON=1 forces the references.
+
+    bits.pack_sign_bits(x[..., D]) -> int32[..., ceil(D/32)]           bits.popcount32(int32) -> int32
+    hamming.hamming_scores(qc[B,Hq,Q,W], kc[B,Hkv,N,W], *, bits) -> int32[B,Hkv,Q,N]   (matching bits, GQA-summed)
+    hamming.hamming_topk(qc, kc, k, *, bits) -> int64[B,Hkv,Q,k]        (fused score + sort-free top-k)
+    topk.select_topk(scores[B,S,Q,N], k, *, value_range=None) -> int64[B,S,Q,k]   (set semantics)
+    top_p.top_p_threshold(weights[R,K], valid[R,K], p) -> bool[R,K]
+    int4_qk.quantize_int4(keys) -> (packed u8, scale, zero);  int4_qk.int4_qk(q, packed, scale, zero, idx) -> fp32
+    quest.quest_page_scores(q, page_min, page_max, *, group_reduce="sum") -> fp32[B,Hkv,Q,P]
+    lut_score.lut_scores(q, centroids[B,Hkv,d/4,16,4], sign_codes[B,Hkv,N,d/32]) -> fp32[B,Hkv,Q,N]
+    sign_hash.sign_hash(x, w1, w2=None, b1=None) -> int32 codes          (linear LSH or MLP hash + packing)
+    sparse_attention.sparse_attention(q, keys, values, indices, valid, scaling) -> [B,Hq,Q,d]
+"""
