@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import sparsekv
 from sparsekv import SparseConfig
 from sparsekv.config import ConfigError
 from sparsekv.selectors.base import DecodeStep, LayerInfo
@@ -218,10 +219,11 @@ def test_double_sparsity_channels_file_round_trip(tiny, tmp_path):
     config = SparseConfig(
         method="double-sparsity", dense_layers=(), options={"channels_file": str(path), "channels": 4}
     )
-    DoubleSparsitySelector.filter_prompt(tiny, ids, torch.ones_like(ids), config)  # same model: fine
+    sparsekv.enable(tiny, config)  # same model: fine
+    sparsekv.disable(tiny)
     other = random_model("tiny-llama", seed=1)
     with pytest.raises(ConfigError, match="another model"):
-        DoubleSparsitySelector.filter_prompt(other, ids, torch.ones_like(ids), config)
+        sparsekv.enable(other, config)
     with pytest.raises(ConfigError, match="another model"):
         DoubleSparsitySelector(config, LayerInfo(1, 3, 4, 2, 32, 1.0), **config.options)
     with pytest.raises(ConfigError, match="not found"):

@@ -248,14 +248,13 @@ class DoubleSparsitySelector(TokenSelector):
             load_channels(options["channels_file"])  # a missing or foreign file fails at once, not mid-run
 
     @classmethod
-    def filter_prompt(cls, model, input_ids, attention_mask, config):
+    def check_model(cls, model, config):
         path = config.options.get("channels_file")
         if path:
             from sparsekv.fingerprint import check_fingerprint
 
             _, metadata = load_channels(path)
             check_fingerprint(metadata.get("fingerprint", {}), model, f"Double Sparsity channels file {path}")
-        return input_ids, attention_mask
 
     def __post_init__(self) -> None:
         layer = self.layer
