@@ -94,10 +94,10 @@ def run_niah(args) -> dict:
     from sparsekv.prefill.gemfilter import last_selection
 
     model, tokenizer = load()
-    configs = {"dense": SparseConfig(method="dense")}
-    for layer, window in args.variants:
-        options = {"keep": args.keep, "filter_layer": layer, "window": window}
-        name = f"gemfilter-{args.keep}-L{'default' if layer is None else layer}-w{window}"
+    configs = {} if args.skip_dense else {"dense": SparseConfig(method="dense")}
+    for layer, window, pool in args.variants:
+        options = {"keep": args.keep, "filter_layer": layer, "window": window, "pool": pool}
+        name = f"gemfilter-{args.keep}-L{'default' if layer is None else layer}-w{window}-p{pool}"
         configs[name] = SparseConfig("gemfilter", options=options)
     rows = []
     for context in args.lengths:
@@ -177,6 +177,11 @@ def run_prefill(args) -> dict:
     return results
 
 
+def parse_variant(text: str) -> tuple[int | None, int, int]:
+    parts = text.split(":") + ["1", "5"][len(text.split(":")) - 1 :]
+    return None if parts[0] == "default" else int(parts[0]), int(parts[1]), int(parts[2])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="1000,2000,3000")
@@ -184,7 +189,8 @@ def main() -> None:
     parser.add_argument("--keep", type=int, default=256)
     parser.add_argument("--filter-layer", type=int, default=None, help="prefill bench filter layer")
     parser.add_argument("--variants", default="default:1",
-                        help="NIAH gemfilter variants, comma-separated layer:window ('default' = 40%% depth)")
+                        help="NIAH gemfilter variants, comma-separated layer:window[:pool] ('default' = 40%% depth)")
+    parser.add_argument("--skip-dense", action="store_true", help="NIAH without the dense reference")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=2)
@@ -200,8 +206,7 @@ def main() -> None:
         return
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.depths = [float(x) for x in args.depths.split(",")]
-    args.variants = [(None if v.split(":")[0] == "default" else int(v.split(":")[0]), int(v.split(":")[1]))
-                     for v in args.variants.split(",")]
+    args.variants = [parse_variant(v) for v in args.variants.split(",")]
     report = {"device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M"), "keep": args.keep}
     if args.scan:
