@@ -178,12 +178,13 @@ def test_int4_qk_triton(impl, per_head):
 
 
 @here
-def test_top_p_triton(impl):
+@pytest.mark.parametrize("k", [333, 2500])
+def test_top_p_triton(impl, k):
     from sparsekv.kernels.top_p import top_p_threshold_reference
 
     gen = torch.Generator().manual_seed(23)
-    w = torch.softmax(torch.randn(5, 333, generator=gen) * 3, -1)
-    valid = torch.rand(5, 333, generator=gen) < 0.8
+    w = torch.softmax(torch.randn(5, k, generator=gen) * 3, -1)
+    valid = torch.rand(5, k, generator=gen) < 0.8
     w[4] = 0.0  # all-zero row: keeps its first valid entry
     for p in (0.6, 0.95):
         ref = top_p_threshold_reference(w, valid, p)

@@ -8,6 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+# candidates per program and warps (the kernel benchmark sweeps them)
+TUNE = {"block": 64, "num_warps": 4}
+
 
 @triton.jit
 def _int4_qk_kernel(
@@ -90,10 +93,10 @@ def int4_qk_triton(query, packed, scale, zero, indices):
     scale, zero = scale.float(), zero.float()
     scale = scale if scale.stride(-1) == 1 else scale.contiguous()
     zero = zero if zero.stride(-1) == 1 else zero.contiguous()
-    block = 64
+    block = TUNE["block"]
     _int4_qk_kernel[(triton.cdiv(kk, block), b * s * q)](
         query, packed, scale, zero, indices, out, s, q, kk, hq, g,
         *query.stride()[:3], *packed.stride()[:3], *scale.stride()[:2], *zero.stride()[:2], *indices.stride()[:3],
-        G=heads_per_row, GP=max(16, triton.next_power_of_2(heads_per_row)), DH=d // 2, BLOCK=block, num_warps=4,
+        G=heads_per_row, GP=max(16, triton.next_power_of_2(heads_per_row)), DH=d // 2, BLOCK=block, num_warps=TUNE["num_warps"],
     )  # fmt: skip
     return out
