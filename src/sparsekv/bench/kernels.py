@@ -185,12 +185,12 @@ def run_kernels(
     out.append(Row("int4_qk (gathered candidates)", f"B{batch} Hq{hq} K{cand} d{d}",
                    graph_us(lambda i: _int4_triton.int4_qk_triton(qb[i], packed[i], scl[i], scl[i], cidx[i]), 2),
                    rows_kv * cand * (d // 2 + 8 + 8) + batch * hq * cand * 4))  # fmt: skip
-    for blk, nw in ((32, 4), (128, 4), (128, 8)):
+    for blk, nw in ((32, 4), (64, 4), (128, 8)):
         _int4_triton.TUNE.update(block=blk, num_warps=nw)
         out.append(Row(f"  int4_qk block={blk} warps={nw}", "sweep",
                        graph_us(lambda i: _int4_triton.int4_qk_triton(qb[i], packed[i], scl[i], scl[i], cidx[i]), 2),
                        rows_kv * cand * (d // 2 + 8 + 8) + batch * hq * cand * 4))  # fmt: skip
-    _int4_triton.TUNE.update(block=64, num_warps=4)
+    _int4_triton.TUNE.update(block=128, num_warps=4)
     packed = scl = cidx = None
     Lp = 4
     wts = [torch.softmax(torch.randn(batch * hq, cand, device=dev, generator=gen) * 3, -1) for _ in range(Lp)]

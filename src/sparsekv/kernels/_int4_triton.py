@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 # candidates per program and warps (the kernel benchmark sweeps them)
-TUNE = {"block": 64, "num_warps": 4}
+TUNE = {"block": 128, "num_warps": 4}  # 128 x 4: 128 us vs 166 us at 64 (H200, 128K x B8)
 
 
 @triton.jit

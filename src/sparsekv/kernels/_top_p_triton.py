@@ -1,5 +1,5 @@
-"""Top-p threshold bisection, one program per row: the row's weights stay in L1/L2 across the ~20 bisection
-steps (three steps per pass over the row), then one pass writes the keep mask."""
+"""Top-p threshold bisection, one program per row: the row's weights stay in L1/L2 across the ~20 iterations
+(each iteration is one masked sum), then one pass writes the keep mask."""
 
 from __future__ import annotations
 
@@ -33,38 +33,19 @@ def _top_p_kernel(w_ptr, v_ptr, out_ptr, K, sw, sv, so, p, eps, MAX_ITERS: tl.co
     target = p * total
     low = tl.zeros([], dtype=tl.float32)
     it = 0
-    # Three bisection steps per pass over the row: the 7 midpoints of the next three levels are computed
-    # exactly as sequential bisection would ((a + b) * 0.5), their masses come from one pass, and the three
-    # decisions (with the same stopping rule) are then replayed in registers: a third of the passes.
-    j = tl.arange(0, 8)
     while (high - low >= eps) & (it < MAX_ITERS):
-        m4 = (low + high) * 0.5
-        m2 = (low + m4) * 0.5
-        m6 = (m4 + high) * 0.5
-        m1 = (low + m2) * 0.5
-        m3 = (m2 + m4) * 0.5
-        m5 = (m4 + m6) * 0.5
-        m7 = (m6 + high) * 0.5
-        thr = tl.where(j == 1, m1, tl.where(j == 2, m2, tl.where(j == 3, m3, tl.where(j == 4, m4, tl.where(
-            j == 5, m5, tl.where(j == 6, m6, tl.where(j == 7, m7, float("inf"))))))))  # fmt: skip
-        mass = tl.zeros([8], dtype=tl.float32)
+        mid = (low + high) * 0.5
+        mass = tl.zeros([], dtype=tl.float32)
         for start in range(0, K, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             m = offs < K
             ok = m & (tl.load(v_row + offs, mask=m, other=0) != 0)
             w = tl.where(ok, tl.load(w_row + offs, mask=m, other=0.0).to(tl.float32), 0.0)
-            mass += tl.sum(tl.where(w[:, None] >= thr[None, :], w[:, None], 0.0), axis=0)
-        # replay up to three bisection steps: position 4 (level 1), then 2 or 6, then the odd ones
-        pos = tl.full([], 4, dtype=tl.int32)
-        for step in tl.static_range(3):
-            if (high - low >= eps) & (it < MAX_ITERS):
-                mid = tl.sum(tl.where(j == pos, thr, 0.0), axis=0)
-                up = tl.sum(tl.where(j == pos, mass, 0.0), axis=0) >= target
-                low = tl.where(up, mid, low)
-                high = tl.where(up, high, mid)
-                half = 2 >> step  # 2, 1, then unused
-                pos = tl.where(up, pos + half, pos - half)
-                it += 1
+            mass += tl.sum(tl.where(w >= mid, w, 0.0), axis=0)
+        up = mass >= target
+        low = tl.where(up, mid, low)
+        high = tl.where(up, high, mid)
+        it += 1
     kept = tl.zeros([], dtype=tl.int32)
     for start in range(0, K, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -86,7 +67,7 @@ def top_p_threshold_triton(weights: torch.Tensor, valid: torch.Tensor, p: float)
     v = valid.view(torch.uint8) if valid.dtype == torch.bool else valid
     v = v if v.stride(-1) == 1 else v.contiguous()
     out = torch.empty(rows, k, dtype=torch.int8, device=weights.device)
-    block = min(1024, triton.next_power_of_2(max(k, 16)))  # the [block, 8] threshold tile stays in registers
+    block = min(4096, triton.next_power_of_2(max(k, 16)))
     _top_p_kernel[(rows,)](weights, v, out, k, weights.stride(0), v.stride(0), out.stride(0), float(p), EPS,
-                           MAX_ITERS=MAX_ITERS, BLOCK=block, num_warps=4)  # fmt: skip
+                           MAX_ITERS=MAX_ITERS, BLOCK=block, num_warps=4 if block <= 1024 else 8)  # fmt: skip
     return out.view(torch.bool)
