@@ -5,6 +5,7 @@ The interpreter is slow, so sizes stay small but deliberately awkward (not multi
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
