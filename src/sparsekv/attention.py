@@ -15,7 +15,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from sparsekv.cache import SparseCache
 from sparsekv.config import SparseConfig
-from sparsekv.selectors.base import DecodeStep
+from sparsekv.selectors.base import DecodeStep, StepHints, host_budget
 
 ATTENTION_NAME = "sparsekv"
 RUNTIME_ATTR = "_sparsekv_runtime"
@@ -66,6 +66,14 @@ def token_budgets(config: SparseConfig, visible: torch.Tensor, forced: torch.Ten
     return torch.maximum(budget, forced.sum(-1)).clamp(min=1).minimum(seen.clamp(min=1))
 
 
+def step_hints(config: SparseConfig, attention_mask: torch.Tensor | None, q_len: int, num_keys: int) -> StepHints:
+    """Host-side facts of a decode step: an upper bound of the budgets (a row never sees more than the cache),
+    and whether every row sees the whole cache (no mask and one query: transformers drops an all-ones mask)."""
+    bound = host_budget(config, num_keys)
+    uniform = attention_mask is None and q_len == 1
+    return StepHints(max_budget=bound, uniform=uniform, sink=config.sink, local=config.local)
+
+
 def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -96,7 +104,8 @@ def sparse_attention_forward(
         pruner.append(new_keys, new_values)
     config = cache.config
     batch, _, q_len, _ = query.shape
-    visible = visibility(attention_mask, batch, q_len, key.shape[2], key.device)
+    num_keys = key.shape[2]
+    visible = visibility(attention_mask, batch, q_len, num_keys, key.device)
     forced = forced_tokens(visible, config.sink, config.local)
     step = DecodeStep(
         query=query,
@@ -107,6 +116,7 @@ def sparse_attention_forward(
         budgets=token_budgets(config, visible, forced),
         layer=selector.layer,
         gqa=config.gqa,
+        hints=step_hints(config, attention_mask, q_len, num_keys),
     )
     selection = selector.select(step)
     if pruner is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -93,23 +91,44 @@ class SparseLayer(DynamicLayer):
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
-@dataclass
 class BudgetStats:
-    """Tokens attended per (query, selection head) row of the sparse layers' decode steps."""
+    """Tokens attended per (query, selection head) row of the sparse layers' decode steps.
 
-    num_layers: int
-    kept_counts: list[list[torch.Tensor]] = field(default_factory=list)
-    visible_counts: list[list[torch.Tensor]] = field(default_factory=list)
+    On CPU every record lands in `kept_counts` / `visible_counts` at once. Device records stay on the device
+    until the counts are read (no host sync inside the decode step, so a step can be captured in a CUDA graph).
+    """
 
-    def __post_init__(self) -> None:
-        self.kept_counts = [[] for _ in range(self.num_layers)]
-        self.visible_counts = [[] for _ in range(self.num_layers)]
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._kept: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._seen: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     def record(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
         """selection counts [B, S, Q]; visible [B, Q, N]."""
-        self.kept_counts[layer_idx].append(selection.counts().flatten().to("cpu", torch.int32))
-        seen = visible.sum(-1)[:, None].expand(-1, selection.indices.shape[1], -1)
-        self.visible_counts[layer_idx].append(seen.flatten().to("cpu", torch.int32))
+        kept = selection.counts().flatten()
+        seen = visible.sum(-1)[:, None].expand(-1, selection.indices.shape[1], -1).flatten()
+        if kept.device.type == "cpu":
+            self._kept[layer_idx].append(kept.to("cpu", torch.int32))
+            self._seen[layer_idx].append(seen.to("cpu", torch.int32))
+        else:
+            self._pending.append((layer_idx, kept.to(torch.int32), seen.to(torch.int32)))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for layer_idx, kept, seen in pending:
+            self._kept[layer_idx].append(kept.to("cpu"))
+            self._seen[layer_idx].append(seen.to("cpu"))
+
+    @property
+    def kept_counts(self) -> list[list[torch.Tensor]]:
+        self._flush()
+        return self._kept
+
+    @property
+    def visible_counts(self) -> list[list[torch.Tensor]]:
+        self._flush()
+        return self._seen
 
     def layer_counts(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept, visible) per recorded row of one layer, as flat int tensors."""

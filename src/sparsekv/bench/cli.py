@@ -86,5 +86,53 @@ def attention(
     _write(result, output)
 
 
+@app.command()
+def e2e(
+    model: Annotated[
+        str, typer.Option(help="default (SmolLM2-135M shape) | llama3-8b-random (random weights)")
+    ] = "llama3-8b-random",
+    layers: Annotated[
+        int | None, typer.Option(help="decoder layers (fewer than the model's to fit long caches)")
+    ] = None,
+    context: Annotated[int, typer.Option(help="tokens in the KV cache before decoding")] = 32768,
+    batch: Annotated[int, typer.Option(help="batch size")] = 1,
+    method: Annotated[str, typer.Option(help="sparse method compared with dense")] = "spotlight",
+    budget: Annotated[str, typer.Option(help="fraction (<1) or tokens")] = "0.02",
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Twilight top-p pruning")] = None,
+    new_tokens: Annotated[int, typer.Option(help="timed decode steps")] = 32,
+    cuda_graph: Annotated[
+        bool, typer.Option("--cuda-graph", help="also time one captured decode step")
+    ] = False,
+    prefill: Annotated[
+        str, typer.Option(help="auto | model | synthetic (random K/V written into the cache)")
+    ] = "auto",
+    dense_layers: Annotated[str, typer.Option(help="layers kept dense: 'none' or e.g. '0,1'")] = "none",
+    option: Annotated[list[str] | None, typer.Option(help="method option key=value (repeatable)")] = None,
+    output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
+) -> None:
+    """Whole-model decode (TPOT, tokens/s), prefill time and peak GPU memory: dense vs a method, one run."""
+    from sparsekv.bench.e2e import parse_layers, run_e2e, summary_rows
+    from sparsekv.cli import parse_budget, parse_options
+
+    result = run_e2e(
+        model, layers=layers, context=context, batch=batch, method=method, budget=parse_budget(budget),
+        top_p=top_p, new_tokens=new_tokens, cuda_graph=cuda_graph, prefill=prefill,
+        dense_layers=parse_layers(dense_layers), options=parse_options(option),
+    )  # fmt: skip
+    table = Table(
+        title=f"{method} vs dense: {model} ({result['layers']} layers) N{context} B{batch} budget {budget} "
+        f"on {result['device']} (prefill: {result['prefill']})"
+    )
+    for col in ("", "dense", method, "ratio"):
+        table.add_column(col, justify="left" if not col else "right")
+    for row in summary_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    for name in ("dense", "method"):
+        if result["runs"][name].get("graph_error"):
+            console.print(f"{name}: CUDA graph capture failed: {result['runs'][name]['graph_error']}")
+    _write(result, output)
+
+
 if __name__ == "__main__":
     app()

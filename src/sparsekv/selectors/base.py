@@ -13,6 +13,7 @@ causality, padding and the GQA policy. A method with another selection rule (top
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -64,6 +65,8 @@ class DecodeStep:
     visible: [B, Q, N] bool, each query's causal past without padding.
     forced:  [B, Q, N] bool, sink/local tokens that are always kept (subset of visible).
     budgets: [B, Q] int64 tokens to keep per query (forced included, never above the visible count).
+    hints:   optional host-side facts about the step (the attention function sets them) so that the CUDA path
+             never reads a device tensor back; CPU selection ignores them.
     """
 
     query: torch.Tensor
@@ -74,10 +77,47 @@ class DecodeStep:
     budgets: torch.Tensor
     layer: LayerInfo
     gqa: str
+    hints: StepHints | None = None
 
     @property
     def selection_heads(self) -> int:
         return self.layer.num_kv_heads if self.gqa == "group" else self.layer.num_heads
+
+    def max_budget(self) -> int:
+        """The largest entry of `budgets`, or on a device an upper bound of it known on the host (no sync)."""
+        if self.hints is not None and self.budgets.device.type != "cpu":
+            return self.hints.max_budget
+        return int(self.budgets.max())
+
+    @property
+    def uniform(self) -> bool:
+        """Every row sees all N keys and keeps `hints.max_budget`; forced = first `sink` and last `local` keys."""
+        return self.hints is not None and self.hints.uniform
+
+
+@dataclass(frozen=True)
+class StepHints:
+    """What the host knows about a decode step without reading the device.
+
+    max_budget: >= every entry of `budgets` (== all of them when `uniform`).
+    uniform: one query per row and no padding, so every row sees all N cached keys and keeps `max_budget`.
+    sink / local: the config's forced tokens (for `uniform` steps: positions [0, sink) and [N - local, N)).
+    """
+
+    max_budget: int
+    uniform: bool
+    sink: int = 0
+    local: int = 0
+
+
+def host_budget(config: SparseConfig, visible: int) -> int:
+    """`attention.token_budgets` for one row that sees `visible` tokens (monotone in `visible`), on the host."""
+    forced = min(visible, config.sink + config.local)
+    if isinstance(config.budget, float):
+        budget = math.ceil(visible * config.budget)
+    else:
+        budget = config.budget
+    return max(1, min(max(visible, 1), max(budget, forced)))
 
 
 def to_selection_heads(scores: torch.Tensor, step: DecodeStep) -> torch.Tensor:
@@ -96,14 +136,81 @@ def to_selection_heads(scores: torch.Tensor, step: DecodeStep) -> torch.Tensor:
 
 def topk_selection(scores: torch.Tensor, step: DecodeStep) -> Selection:
     """Top-`budget` keys per row of `scores` among the visible ones, with forced tokens always in."""
+    if step.uniform and scores.device.type != "cpu":
+        return _uniform_topk(to_selection_heads(scores, step).float(), step)
     scores = to_selection_heads(scores, step).float()
     visible = step.visible[:, None]
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
-    k_max = int(step.budgets.max())
+    k_max = step.max_budget()
     values, indices = scores.topk(k_max, dim=-1, sorted=True)
     ranks = torch.arange(k_max, device=scores.device)
     valid = (ranks < step.budgets[:, None, :, None]) & (values > float("-inf"))
     return Selection(indices=indices, valid=valid)
+
+
+def _all_keys(shape: tuple[int, ...], n: int, device) -> Selection:
+    indices = torch.arange(n, device=device).expand(*shape, n).contiguous()
+    return Selection(indices=indices, valid=torch.ones(*shape, n, dtype=torch.bool, device=device))
+
+
+def _force(scores: torch.Tensor, sink: int, local: int, value, flipped: bool = False) -> torch.Tensor:
+    """Sets the first `sink` and last `local` keys (of the unflipped order) to `value`, in place."""
+    n = scores.shape[-1]
+    head, tail = (local, sink) if flipped else (sink, local)
+    if head:
+        scores[..., :head] = value
+    if tail:
+        scores[..., n - tail :] = value
+    return scores
+
+
+def _uniform_topk(scores: torch.Tensor, step: DecodeStep) -> Selection:
+    """Device path of `topk_selection` for uniform steps: no visibility mask, forced keys by slicing, k known on
+    the host. The chosen set equals the CPU path's up to how torch.topk orders equal scores."""
+    hints = step.hints
+    n = scores.shape[-1]
+    if hints.max_budget >= n:
+        return _all_keys(scores.shape[:-1], n, scores.device)
+    if hints.sink or hints.local:
+        scores = _force(scores.clone(), hints.sink, hints.local, float("inf"))
+    values, indices = scores.topk(hints.max_budget, dim=-1, sorted=False)
+    return Selection(indices=indices, valid=values > float("-inf"))
+
+
+def int_topk_selection(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection | None:
+    """Device fast path for integer scores in a known range [lo, hi], ties to the more recent key, forced first.
+
+    Returns None where it does not apply (CPU, no Triton, or a step that is not `uniform`); the caller then runs
+    its own rule. On uniform steps the chosen set equals the CPU rule (score, then position, forced on top): the
+    scores are reversed along the keys, so the histogram select's deterministic rule among equal scores (lowest
+    position first) picks the highest original positions, and forced keys score hi + 1. No host sync, no sort.
+    """
+    from sparsekv.kernels._triton import use_triton
+
+    if scores.device.type == "cpu" or not step.uniform or not use_triton(scores):
+        return None
+    return _int_topk_core(scores, step, value_range)
+
+
+def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection:
+    """`int_topk_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
+    from sparsekv.kernels.topk import select_topk
+
+    hints = step.hints
+    b, s, q, n = scores.shape
+    if hints.max_budget >= n:
+        return _all_keys((b, s, q), n, scores.device)
+    lo, hi = value_range
+    forced = bool(hints.sink or hints.local)
+    top = hi + 1 if forced else hi
+    small = -(2**15) <= lo and top < 2**15
+    flipped = scores.flip(-1)
+    flipped = flipped.to(torch.int16) if small else flipped.to(torch.int32)
+    if forced:
+        _force(flipped, hints.sink, hints.local, top, flipped=True)
+    picked = select_topk(flipped, hints.max_budget, value_range=(lo, top))
+    indices = (n - 1) - picked
+    return Selection(indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device))
 
 
 @dataclass
