@@ -44,7 +44,7 @@ from torch import nn
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
-from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection, TokenSelector
+from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection, TokenSelector, int_topk_selection
 
 HASH_KINDS = ("mlp", "linear")
 DEFAULT_BITS = 128
@@ -352,22 +352,25 @@ class SpotlightSelector(TokenSelector):
         return hamming_scores(query_codes, keys, bits=self.code_bits)
 
     def select(self, step: DecodeStep) -> Selection:
-        return hamming_topk(self.score(step), step)
+        group = self.layer.group_size if step.gqa == "group" else 1
+        return hamming_topk(self.score(step), step, value_range=(0, group * self.code_bits))
 
 
-def hamming_topk(scores: torch.Tensor, step: DecodeStep) -> Selection:
+def hamming_topk(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int] | None = None) -> Selection:
     """Top-budget keys per row by integer score, ties to the more recent key, forced tokens first.
 
     Ranks on one int64 key per token (score above, position below), so every key is distinct and the chosen
     set never depends on how a backend orders ties (chunked == token-by-token, batch invariance).
     """
+    if value_range is not None and (fast := int_topk_selection(scores, step, value_range)) is not None:
+        return fast  # CUDA, uniform step: histogram select, same set as below
     n = scores.shape[-1]
     position = torch.arange(n, device=scores.device, dtype=torch.int64)
     rank_key = (scores.to(torch.int64) << 32) | position
     top = torch.iinfo(torch.int64).max
     rank_key = torch.where(step.forced[:, None], top - n + position, rank_key)
     rank_key = rank_key.masked_fill(~step.visible[:, None], -1)
-    k_max = int(step.budgets.max())
+    k_max = step.max_budget()
     values, indices = rank_key.topk(k_max, dim=-1, sorted=True)
     ranks = torch.arange(k_max, device=scores.device)
     valid = (ranks < step.budgets[:, None, :, None]) & (values >= 0)
