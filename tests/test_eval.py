@@ -219,7 +219,7 @@ def test_result_cache_keys_and_resume(tmp_path):
     cache = ResultCache(tmp_path)
     key = {"model": "m", "config": config_key(SparseConfig(method="oracle-topk", budget=0.1))}
     calls = []
-    compute = lambda: calls.append(1) or {"value": 1.5}  # noqa: E731
+    compute = lambda: calls.append(1) or {"value": 1.5}
     assert cache.cached("ppl", key, compute) == {"value": 1.5}
     assert cache.cached("ppl", key, compute) == {"value": 1.5}
     assert len(calls) == 1 and cache.hits == 1

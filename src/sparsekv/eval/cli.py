@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.table import Table
@@ -29,13 +29,13 @@ from sparsekv.config import ConfigError
 eval_app = typer.Typer(no_args_is_help=True, add_completion=False,
                        help="Offline evaluation: perplexity, needle in a haystack, RULER-style tasks, IoU, fidelity.")
 
-CacheDirOpt = Annotated[Optional[Path], typer.Option(help="per-cell result cache (default: <sparsekv cache>/eval)")]
+CacheDirOpt = Annotated[Path | None, typer.Option(help="per-cell result cache (default: <sparsekv cache>/eval)")]
 NoCacheOpt = Annotated[bool, typer.Option("--no-cache", help="recompute every cell and store nothing")]
 SinkOpt = Annotated[int, typer.Option(help="first tokens always kept")]
 LocalOpt = Annotated[int, typer.Option(help="most recent tokens always kept")]
 GqaOpt = Annotated[str, typer.Option(help="group (one selection per kv head) or head")]
-PlotOpt = Annotated[Optional[Path], typer.Option(help="PNG path (default: next to --output, same name)")]
-TextFileOpt = Annotated[Optional[Path], typer.Option(help="UTF-8 text to evaluate (default: the embedded essays)")]
+PlotOpt = Annotated[Path | None, typer.Option(help="PNG path (default: next to --output, same name)")]
+TextFileOpt = Annotated[Path | None, typer.Option(help="UTF-8 text to evaluate (default: the embedded essays)")]
 SeedOpt = Annotated[int, typer.Option(help="seed of generated data and of torch")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="apply the model's chat template to prompts")]
@@ -173,11 +173,11 @@ def niah(
     option: OptionOpt = None,
     lengths: Annotated[str, typer.Option(help="context lengths in tokens, e.g. 500,1K,2K,3K")] = "500,1000,2000,3000",
     depths: Annotated[str, typer.Option(help="needle depths: fractions 0,0.5,1 or percents 0,50,100")] = "0,0.25,0.5,0.75,1",
-    needle: Annotated[Optional[str], typer.Option(help="the needle sentence")] = None,
-    question: Annotated[Optional[str], typer.Option(help="the question about the needle")] = None,
-    keywords: Annotated[Optional[str], typer.Option(help="comma-separated keywords an answer must contain")] = None,
+    needle: Annotated[str | None, typer.Option(help="the needle sentence")] = None,
+    question: Annotated[str | None, typer.Option(help="the question about the needle")] = None,
+    keywords: Annotated[str | None, typer.Option(help="comma-separated keywords an answer must contain")] = None,
     scorer: Annotated[str, typer.Option(help="keyword-recall or rougeL-recall")] = "keyword-recall",
-    haystack_dir: Annotated[Optional[Path], typer.Option(help="folder of .txt files (default: the essays)")] = None,
+    haystack_dir: Annotated[Path | None, typer.Option(help="folder of .txt files (default: the essays)")] = None,
     max_new_tokens: int = 32,
     chat: ChatOpt = True,
     seed: SeedOpt = 0,
@@ -319,7 +319,7 @@ def fidelity(
     local: LocalOpt = 0,
     gqa: GqaOpt = "group",
     option: OptionOpt = None,
-    prompts_file: Annotated[Optional[Path], typer.Option(help=".jsonl/.json/.txt prompts (default: essay passages)")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help=".jsonl/.json/.txt prompts (default: essay passages)")] = None,
     samples: Annotated[int, typer.Option(help="default prompts: how many passages")] = 4,
     context: Annotated[int, typer.Option(help="default prompts: tokens per passage")] = 1000,
     max_new_tokens: int = 48,
@@ -362,20 +362,20 @@ def compare(
     sink: SinkOpt = 0,
     local: LocalOpt = 0,
     gqa: GqaOpt = "group",
-    option: Annotated[Optional[list[str]], typer.Option(
+    option: Annotated[list[str] | None, typer.Option(
         "--option", "-o", help="key=value for every method that has the option, or method:key=value")] = None,
     text_file: TextFileOpt = None,
-    context: Annotated[Optional[int], typer.Option(help="ppl/iou window tokens; fidelity passage tokens")] = None,
+    context: Annotated[int | None, typer.Option(help="ppl/iou window tokens; fidelity passage tokens")] = None,
     prefix: Annotated[int, typer.Option(help="ppl: dense prefix tokens")] = 512,
     chunk: Annotated[int, typer.Option(help="ppl: decode chunk")] = 256,
     windows: Annotated[int, typer.Option(help="ppl/iou: windows")] = 1,
     queries: Annotated[int, typer.Option(help="iou: compared queries per window")] = 64,
-    lengths: Annotated[Optional[str], typer.Option(help="niah/ruler: lengths")] = None,
+    lengths: Annotated[str | None, typer.Option(help="niah/ruler: lengths")] = None,
     depths: Annotated[str, typer.Option(help="niah: depths")] = "0,0.25,0.5,0.75,1",
     ruler_tasks: Annotated[str, typer.Option(help="ruler: tasks")] = (
         "niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words,freq_words"),
     samples: Annotated[int, typer.Option(help="ruler: samples per task/length; fidelity: passages")] = 4,
-    prompts_file: Annotated[Optional[Path], typer.Option(help="fidelity: prompts file")] = None,
+    prompts_file: Annotated[Path | None, typer.Option(help="fidelity: prompts file")] = None,
     seed: SeedOpt = 0,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
@@ -383,7 +383,7 @@ def compare(
     no_cache: NoCacheOpt = False,
     quiet: QuietOpt = False,
     output: OutputOpt = None,
-    markdown: Annotated[Optional[Path], typer.Option(help="markdown table (default: next to --output, .md)")] = None,
+    markdown: Annotated[Path | None, typer.Option(help="markdown table (default: next to --output, .md)")] = None,
     plot: PlotOpt = None,
 ) -> None:
     """One task over methods x budgets: a markdown table and a budget-quality plot."""

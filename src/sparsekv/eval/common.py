@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -259,9 +259,15 @@ class Progress:
     _progress: Any = field(default=None, init=False)
     _task: Any = field(default=None, init=False)
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Self:
         if not self.quiet:
-            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             from rich.progress import Progress as RichProgress
 
             from sparsekv.cli import console

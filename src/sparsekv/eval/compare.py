@@ -47,7 +47,7 @@ def split_options(items: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict
     return shared, scoped
 
 
-def method_config(method: str, budget: int | float, base: dict, shared: dict, scoped: dict) -> SparseConfig:
+def method_config(method: str, budget: float, base: dict, shared: dict, scoped: dict) -> SparseConfig:
     accepted = method_options(method)
     options = {k: v for k, v in shared.items() if k in accepted}
     options.update(scoped.get(method, {}))

@@ -13,8 +13,19 @@ from pathlib import Path
 
 import sparsekv
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.eval.common import NO_CACHE, ModelHandle, Progress, ResultCache, config_dict, config_key, describe
-from sparsekv.eval.common import digest, mean, seed_everything, weighted_budget
+from sparsekv.eval.common import (
+    NO_CACHE,
+    ModelHandle,
+    Progress,
+    ResultCache,
+    config_dict,
+    config_key,
+    describe,
+    digest,
+    mean,
+    seed_everything,
+    weighted_budget,
+)
 from sparsekv.eval.scoring import rougeL_f
 
 INSTRUCTIONS = (
@@ -96,7 +107,7 @@ def run_fidelity(
             outputs = {}
             for name, cfg in (("dense", dense), ("method", config)):
                 outputs[name] = cache.cached("generate", {**base, "config": config_key(cfg)},
-                                             lambda cfg=cfg: _generate_cell(handle, cfg, prompt, chat,
+                                             lambda cfg=cfg, prompt=prompt: _generate_cell(handle, cfg, prompt, chat,
                                                                             max_new_tokens, seed))  # fmt: skip
             out, ref = outputs["method"]["output"], outputs["dense"]["output"]
             cells.append({"index": i, "output": out, "dense_output": ref, "rougeL": rougeL_f(out, ref),

@@ -17,7 +17,7 @@ def insert_needle(tokenizer, haystack: str, needle: str, context_tokens: int, de
     if len(ids) < budget:
         raise ValueError(f"the haystack has {len(ids)} tokens, fewer than the {budget} asked for")
     ids = ids[:budget]
-    cut = int(round(depth * len(ids)))
+    cut = round(depth * len(ids))
     before = tokenizer.decode(ids[:cut])
     after = tokenizer.decode(ids[cut:])
     boundary = before.rfind(". ")

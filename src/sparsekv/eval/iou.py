@@ -22,8 +22,17 @@ import torch
 import sparsekv
 from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.eval.common import NO_CACHE, ModelHandle, Progress, ResultCache, config_dict, config_key, describe
-from sparsekv.eval.common import digest, mean
+from sparsekv.eval.common import (
+    NO_CACHE,
+    ModelHandle,
+    Progress,
+    ResultCache,
+    config_dict,
+    config_key,
+    describe,
+    digest,
+    mean,
+)
 from sparsekv.selectors.base import DecodeStep, Selection, to_selection_heads
 
 METRICS = ("iou", "recall", "mass", "oracle_mass")

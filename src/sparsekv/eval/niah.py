@@ -13,8 +13,19 @@ from dataclasses import dataclass, field
 
 import sparsekv
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.eval.common import NO_CACHE, ModelHandle, Progress, ResultCache, config_dict, config_key, describe
-from sparsekv.eval.common import digest, mean, seed_everything, weighted_budget
+from sparsekv.eval.common import (
+    NO_CACHE,
+    ModelHandle,
+    Progress,
+    ResultCache,
+    config_dict,
+    config_key,
+    describe,
+    digest,
+    mean,
+    seed_everything,
+    weighted_budget,
+)
 from sparsekv.eval.haystack import NEEDLE, QUESTION, needle_prompt
 from sparsekv.eval.scoring import default_keywords, keyword_recall, rougeL_recall
 

@@ -19,8 +19,17 @@ import torch.nn.functional as F
 import sparsekv
 from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.eval.common import NO_CACHE, ModelHandle, Progress, ResultCache, config_dict, config_key, describe
-from sparsekv.eval.common import digest, weighted_budget
+from sparsekv.eval.common import (
+    NO_CACHE,
+    ModelHandle,
+    Progress,
+    ResultCache,
+    config_dict,
+    config_key,
+    describe,
+    digest,
+    weighted_budget,
+)
 
 
 @dataclass(frozen=True)

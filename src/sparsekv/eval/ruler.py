@@ -15,6 +15,7 @@ generated text. A sample is a pure function of (seed, task, length, index, token
 
 from __future__ import annotations
 
+import itertools
 import re
 import string
 from collections.abc import Callable
@@ -22,8 +23,20 @@ from dataclasses import dataclass
 
 import sparsekv
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.eval.common import NO_CACHE, ModelHandle, Progress, ResultCache, config_dict, config_key, describe
-from sparsekv.eval.common import digest, mean, sample_rng, seed_everything, weighted_budget
+from sparsekv.eval.common import (
+    NO_CACHE,
+    ModelHandle,
+    Progress,
+    ResultCache,
+    config_dict,
+    config_key,
+    describe,
+    digest,
+    mean,
+    sample_rng,
+    seed_everything,
+    weighted_budget,
+)
 from sparsekv.eval.scoring import METRICS
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking", "common_words", "freq_words")
@@ -144,7 +157,7 @@ def _variable_tracking(rng, hops: int = 4):
             names.add(name)
             chain.append(name)
     value = str(rng.randint(10000, 99999))
-    statements = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(chain, chain[1:])]
+    statements = [f"VAR {chain[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in itertools.pairwise(chain)]
     depths = sorted(rng.random() for _ in statements)
     question = (f"Find all variables that are assigned the value {value} in the text above, directly or through "
                 "other variables.")  # fmt: skip

@@ -68,8 +68,7 @@ def string_match_part(prediction: str, answers: list[str]) -> float:
 METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 
 _STOP = frozenset(
-    "a an and are as at be by do for from has have in is it its of on or that the this to was were what when "
-    "where which who why will with".split()
+    ["a", "an", "and", "are", "as", "at", "be", "by", "do", "for", "from", "has", "have", "in", "is", "it", "its", "of", "on", "or", "that", "the", "this", "to", "was", "were", "what", "when", "where", "which", "who", "why", "will", "with"]
 )
 
 
