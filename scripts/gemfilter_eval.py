@@ -157,7 +157,7 @@ def run_prefill(args) -> dict:
                    "--reps", str(args.reps), "--keep", str(args.keep)]
         if args.filter_layer is not None:
             command += ["--filter-layer", str(args.filter_layer)]
-        done = subprocess.run(command, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             sys.stderr.write(done.stderr[-4000:])
             raise SystemExit(f"prefill run of {method} failed")
