@@ -117,7 +117,8 @@ def run_niah(args) -> dict:
     return {"configs": {name: c.options for name, c in configs.items()}, "rows": rows, "mean_score": means}
 
 
-def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: int | None) -> dict:
+def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: int | None, window: int = 1,
+                pool: int = 5) -> dict:
     """In this (fresh) process: warm up, then time/measure `reps` prefills of a `tokens`-token needle prompt."""
     from sparsekv.prefill.gemfilter import gem_filter
 
@@ -130,7 +131,7 @@ def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: in
 
         mask = torch.ones_like(input_ids)
         if method == "gemfilter":
-            result = gem_filter(model, input_ids, mask, keep=keep, filter_layer=filter_layer)
+            result = gem_filter(model, input_ids, mask, keep=keep, filter_layer=filter_layer, window=window, pool=pool)
             input_ids, mask = result.input_ids, result.attention_mask
         out = model(input_ids=input_ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
                     use_cache=True, logits_to_keep=1)
@@ -147,7 +148,8 @@ def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: in
                      "first_token": token})
         print(f"[prefill] {method} {ids.shape[1]} tokens: {seconds:.2f}s wall, {cpu_seconds:.2f}s cpu, "
               f"peak +{peak.delta_mb:.0f} MB", flush=True)
-    return {"method": method, "prompt_tokens": ids.shape[1], "threads": torch.get_num_threads(), "runs": runs}
+    return {"method": method, "filter_layer": filter_layer, "window": window, "pool": pool,
+            "prompt_tokens": ids.shape[1], "threads": torch.get_num_threads(), "runs": runs}
 
 
 def run_prefill(args) -> dict:
@@ -157,6 +159,7 @@ def run_prefill(args) -> dict:
                    "--reps", str(args.reps), "--keep", str(args.keep)]
         if args.filter_layer is not None:
             command += ["--filter-layer", str(args.filter_layer)]
+        command += ["--window", str(args.window), "--pool", str(args.pool)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             sys.stderr.write(done.stderr[-4000:])
@@ -191,6 +194,8 @@ def main() -> None:
     parser.add_argument("--variants", default="default:1",
                         help="NIAH gemfilter variants, comma-separated layer:window[:pool] ('default' = 40%% depth)")
     parser.add_argument("--skip-dense", action="store_true", help="NIAH without the dense reference")
+    parser.add_argument("--window", type=int, default=1, help="prefill bench gemfilter window")
+    parser.add_argument("--pool", type=int, default=5, help="prefill bench gemfilter pool")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=2)
@@ -201,7 +206,8 @@ def main() -> None:
     parser.add_argument("--prefill-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.prefill_one:
-        result = prefill_one(args.prefill_one, args.prefill_tokens, args.reps, args.keep, args.filter_layer)
+        result = prefill_one(args.prefill_one, args.prefill_tokens, args.reps, args.keep, args.filter_layer,
+                             args.window, args.pool)
         print("@@JSON@@" + json.dumps(result))
         return
     args.lengths = [int(x) for x in args.lengths.split(",")]
