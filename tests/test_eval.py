@@ -240,3 +240,20 @@ def test_cli_parsers():
     assert parse_budgets("0.02,0.1,256") == [0.02, 0.1, 256]
     with pytest.raises(ConfigError):
         parse_ints("a,b", "--lengths")
+
+
+def test_only_cached_cache_reports_missing_cells_instead_of_computing(tmp_path):
+    from sparsekv.eval.common import CellNotCached
+    from sparsekv.eval.compare import markdown_table, run_compare
+
+    ResultCache(tmp_path).put("ppl", {"m": "dense"}, {"ppl": 10.0, "avg_budget_tokens": None})
+    reader = ResultCache(tmp_path, only_cached=True)
+    with pytest.raises(CellNotCached):
+        reader.cached("ppl", {"m": "other"}, lambda: pytest.fail("computed"))
+
+    def run(config):
+        return reader.cached("ppl", {"m": config.method}, lambda: pytest.fail("computed"))
+
+    table = markdown_table(run_compare("ppl", run, ["dense", "streaming"], [0.1]))
+    assert "| dense | 10.00 |" in table and "| streaming | not run |" in table
+    assert "- not run yet: streaming @ budget 10%" in table

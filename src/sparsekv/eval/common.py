@@ -173,6 +173,10 @@ def digest(payload: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
+class CellNotCached(RuntimeError):
+    """A cell that an only-cached run did not find."""
+
+
 @dataclass
 class ResultCache:
     """One JSON file per evaluated cell under root/<task>/<digest of its key>.json; root None disables it.
@@ -183,6 +187,8 @@ class ResultCache:
     root: Path | None
     hits: int = 0
     misses: int = 0
+    #: report a missing cell (CellNotCached) instead of computing it: assembles tables from finished work
+    only_cached: bool = False
 
     def path(self, task: str, key: dict) -> Path | None:
         if self.root is None:
@@ -215,6 +221,8 @@ class ResultCache:
         hit = self.get(task, key)
         if hit is not None:
             return hit
+        if self.only_cached:
+            raise CellNotCached(f"{task} cell not computed yet (--only-cached)")
         result = compute()
         self.put(task, key, result)
         return result

@@ -13,8 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.eval.common import Progress, describe
+from sparsekv.eval.common import CellNotCached, Progress, describe
 from sparsekv.registry import available_methods, get_method_class, method_options
+
+
+NOT_COMPUTED = "not computed yet"
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,8 @@ def run_compare(
                 row["avg_budget_tokens"] = payload.get("avg_budget_tokens")
                 row["avg_budget_fraction"] = payload.get("avg_budget_fraction")
                 result.payloads.append(payload)
+            except CellNotCached:
+                row["error"] = NOT_COMPUTED
             except Exception as error:  # noqa: BLE001 - one failing method must not end the comparison
                 row["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 if not isinstance(error, ConfigError):
@@ -129,8 +134,11 @@ def markdown_table(result: CompareResult) -> str:
     notes = []
     if result.missing:
         notes.append(f"not registered in this build: {', '.join(result.missing)}")
+    pending = [f"{r['method']} @ {_budget_label(r['budget'])}" for r in result.rows if r["error"] == NOT_COMPUTED]
+    if pending:
+        notes.append(f"not run yet: {', '.join(pending)}")
     for row in result.rows:
-        if row["error"]:
+        if row["error"] and row["error"] != NOT_COMPUTED:
             notes.append(f"{row['method']} @ {_budget_label(row['budget'])}: {row['error']}")
     text = "\n".join(lines) + "\n"
     if notes:
@@ -147,6 +155,8 @@ def _budget_label(budget) -> str:
 def _cell(row: dict | None, spec: TaskSpec) -> str:
     if row is None:
         return "-"
+    if row["error"] == NOT_COMPUTED:
+        return "not run"
     if row["error"]:
         return "error"
     if row["value"] is None:
