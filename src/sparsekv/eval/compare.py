@@ -16,7 +16,6 @@ from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import CellNotCached, Progress, describe
 from sparsekv.registry import available_methods, get_method_class, method_options
 
-
 NOT_COMPUTED = "not computed yet"
 
 
