@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from sparsekv.cache import SparseCache
 from sparsekv.config import SparseConfig
@@ -32,7 +32,22 @@ class SparseRuntime:
 def register() -> None:
     AttentionInterface.register(ATTENTION_NAME, sparse_attention_forward)
     # masks are built exactly as for SDPA, which the dense path delegates to
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, decode_mask)
+
+
+def decode_mask(*args, **kwargs):
+    """`sdpa_mask`, except that one new query of a plain causal model with no padding mask gets no mask (None) also
+    while a CUDA graph is being captured. transformers skips that mask only when it is not tracing, and a
+    materialised mask costs dense SDPA its GQA kernel and the sparse path its sync-free uniform selection.
+    Without capture sdpa_mask already returns None there, so eager results are unchanged."""
+    if not args and kwargs.get("attention_mask") is None and kwargs.get("local_size") is None:
+        q_len = kwargs.get("q_length")
+        if q_len is None and kwargs.get("cache_position") is not None:
+            q_len = kwargs["cache_position"].shape[0]
+        plain = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+        if q_len == 1 and plain and kwargs.get("allow_is_causal_skip", True):
+            return None
+    return sdpa_mask(*args, **kwargs)
 
 
 def visibility(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -105,23 +120,30 @@ def sparse_attention_forward(
     config = cache.config
     batch, _, q_len, _ = query.shape
     num_keys = key.shape[2]
+    hints = step_hints(config, attention_mask, q_len, num_keys)
     visible = visibility(attention_mask, batch, q_len, num_keys, key.device)
     forced = forced_tokens(visible, config.sink, config.local)
+    if hints.uniform and key.device.type != "cpu":
+        # every row keeps the same host-known count: one fill instead of a reduction over the visible mask
+        budgets = torch.full((batch, q_len), hints.max_budget, dtype=torch.long, device=key.device)
+    else:
+        budgets = token_budgets(config, visible, forced)
     step = DecodeStep(
         query=query,
         keys=key,
         values=value,
         visible=visible,
         forced=forced,
-        budgets=token_budgets(config, visible, forced),
+        budgets=budgets,
         layer=selector.layer,
         gqa=config.gqa,
-        hints=step_hints(config, attention_mask, q_len, num_keys),
+        hints=hints,
     )
     selection = selector.select(step)
     if pruner is not None:
         selection = pruner.prune(step, selection)
-    cache.stats.record(module.layer_idx, selection, visible)
+    if cache.record_stats:
+        cache.stats.record(module.layer_idx, selection, visible)
     scale = scaling if scaling is not None else selector.layer.scaling
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -183,6 +183,8 @@ class SparseCache(Cache):
         self.config = config
         self.infos = infos
         self.stats = BudgetStats(len(infos))
+        #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
+        self.record_stats = True
 
     @classmethod
     def for_model(cls, model, config: SparseConfig, initial_capacity: int = 0) -> SparseCache:
