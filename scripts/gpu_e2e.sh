@@ -10,8 +10,9 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 python3 -m pytest -q -x -p no:cacheprovider tests/test_e2e.py -k "histogram_fast_path or host_budget" 2>&1 | tail -3
 python3 - "$OUT" "${1:-full}" <<'PY' 2>&1 | tee "$OUT/e2e.log"
 import json, sys
-from sparsekv.bench.e2e import device_suite, suite_table
+from sparsekv.bench.e2e import device_suite, profile_lines, suite_table
 results = device_suite(sys.argv[1], sys.argv[2])
+print(profile_lines(results))
 table = suite_table(results)
 open(f"{sys.argv[1]}/e2e_table.txt", "w").write(table + "\n")
 print(table)

@@ -162,3 +162,31 @@ def test_cli_e2e(tmp_path):
                                    "--output", str(out)])  # fmt: skip
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["runs"]["method"]["method"] == "streaming"
+
+
+def test_decode_mask_equals_sdpa_mask_outside_capture(monkeypatch):
+    """The mask hook only differs from sdpa_mask while a CUDA graph is captured (where transformers keeps a mask)."""
+    import sparsekv.attention as attention
+    from transformers.masking_utils import sdpa_mask
+
+    from sparsekv.bench.e2e import greedy_ids
+    from sparsekv.models import random_model
+
+    seen = []
+    original = attention.decode_mask
+
+    def spy(*args, **kwargs):
+        got = original(*args, **kwargs)
+        ref = sdpa_mask(*args, **kwargs)
+        seen.append(got is None and ref is None or (got is not None and ref is not None and torch.equal(got, ref)))
+        return got
+
+    monkeypatch.setattr(attention, "decode_mask", spy)
+    model = random_model("tiny-llama", dtype=torch.float32, seed=0)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    config = SparseConfig(method="spotlight", budget=0.5)
+    greedy_ids(model, config, ids[:1], None, 2)
+    greedy_ids(model, config, ids, mask, 2)
+    assert len(seen) >= 4 and all(seen)

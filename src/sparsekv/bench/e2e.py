@@ -217,6 +217,8 @@ class Setup:
     prefill: str  # "model" | "synthetic"
     cuda_graph: bool
     seed: int
+    record_stats: bool = False  # budget stats come from the warm-up steps; timed steps skip the bookkeeping
+    profile: bool = False
 
 
 def _decode_step(model, cache):
@@ -258,17 +260,18 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
         result["cached_tokens"] = cached
         step = _decode_step(model, cache)
         pos = torch.full((setup.batch, 1), cached, dtype=torch.long, device=device)
-        base_decode = _reset_peak(device)
-        for _ in range(setup.warmup):  # compiles kernels, grows selector buffers once
+        _reset_peak(device)
+        for _ in range(setup.warmup):  # compiles kernels, grows selector buffers once, records the budgets
             tok = step(tok, pos)
             pos = pos + 1
+        cache.record_stats = setup.record_stats
         with _Clock(device) as clock:
             for _ in range(setup.new_tokens):
                 tok = step(tok, pos)
                 pos = pos + 1
         tpot = clock.seconds / setup.new_tokens
         result.update(tpot_ms=1e3 * tpot, tokens_per_s=setup.batch / tpot)
-        result["decode_peak_bytes"] = _peak_above(device, base_decode)
+        result["decode_peak_bytes"] = _peak_above(device, base)  # cache included (base = weights and leftovers)
         result["cache_bytes"] = cache_bytes(cache)
         result["context_at_end"] = int(cache.layers[0].length) if cache.layers[0].length else None
         stats = cache.stats.summary()
@@ -276,8 +279,41 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
         result["avg_budget_fraction"] = stats["avg_budget_fraction"]
         if setup.cuda_graph and device.type == "cuda":
             result.update(_graph_tpot(step, tok, pos, setup))
+        if setup.profile and device.type == "cuda":
+            result["profile"] = profile_step(step, tok, pos)
         del cache, step, tok, pos
     _free(device)
+    return result
+
+
+def profile_step(step, tok: torch.Tensor, pos: torch.Tensor, top: int = 14) -> dict:
+    """GPU kernels of one eager decode step (torch.profiler): count, total kernel time, the heaviest names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step(tok, pos)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step(tok, pos)
+        torch.cuda.synchronize()
+    try:
+        kernels = [e for e in prof.events() if getattr(e.device_type, "name", "") == "CUDA"]
+        per_name: dict[str, list] = {}
+        for e in kernels:
+            entry = per_name.setdefault(e.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += getattr(e, "device_time_total", None) or getattr(e, "self_device_time_total", 0.0)
+        ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+        result = {
+            "kernels": len(kernels),
+            "kernel_us": sum(v[1] for v in per_name.values()),
+            "top": [{"name": k, "count": c, "us": us} for k, (c, us) in ranked[:top]],
+        }
+    except Exception as error:  # noqa: BLE001 - profiler API differences: keep the table below
+        result = {"error": f"{type(error).__name__}: {error}"}
+    try:
+        result["table"] = prof.key_averages().table(sort_by="device_time_total", row_limit=top)
+    except Exception as error:  # noqa: BLE001
+        result["table_error"] = str(error)
     return result
 
 
@@ -337,6 +373,7 @@ def run_e2e(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     model_obj=None,
+    profile: bool = False,
 ) -> dict:
     """Dense and `method` on the same model and inputs; see the module docstring. Returns a JSON-able dict."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -359,7 +396,7 @@ def run_e2e(
     method_cfg = SparseConfig(
         method=method, budget=budget, top_p=top_p, dense_layers=dense_layers, options=options or {}
     )
-    setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed)
+    setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed, profile=profile)
     runs = {"dense": run_one(net, dense_cfg, setup), "method": run_one(net, method_cfg, setup)}
     d, m = runs["dense"], runs["method"]
     return {
@@ -536,12 +573,21 @@ def device_suite(out_dir: str, plan: str = "full") -> list[dict]:
             save(name, {"error": f"{type(error).__name__}: {error}"[:500]})
         _free(torch.device("cuda"))
 
+    if plan == "profile":
+        for layers, ctx, b in ((fit_layers(8, 131072), 131072, 8), (32, 32768, 8), (32, 32768, 1)):
+            model = build_model("llama3-8b-random", layers=layers)
+            attempt(f"spotlight_{ctx // 1024}k_b{b}", lambda: run_e2e(
+                "llama3-8b-random", context=ctx, batch=b, method="spotlight", budget=0.02, model_obj=model,
+                cuda_graph=True, new_tokens=16, profile=True))  # fmt: skip
+            del model
+            _free(torch.device("cuda"))
+        return results
     # 128K x B8: the layers that fit (one GPU cannot hold all 32 layers' cache, about 137 GB)
     layers_128k = fit_layers(8, 131072)
     model = build_model("llama3-8b-random", layers=layers_128k)
     common = {"model_obj": model, "cuda_graph": True, "new_tokens": 16}
     attempt("spotlight_128k_b8", lambda: run_e2e("llama3-8b-random", context=131072, batch=8, method="spotlight",
-                                                  budget=0.02, **common))  # fmt: skip
+                                                  budget=0.02, profile=True, **common))  # fmt: skip
     attempt("self-index_128k_b8", lambda: run_e2e("llama3-8b-random", context=131072, batch=8,
                                                    method="self-index", budget=0.02, **common))  # fmt: skip
     if plan == "full":
@@ -553,9 +599,12 @@ def device_suite(out_dir: str, plan: str = "full") -> list[dict]:
     model = build_model("llama3-8b-random", layers=32)
     common = {"model_obj": model, "cuda_graph": True, "new_tokens": 16}
     attempt("spotlight_32k_b1", lambda: run_e2e("llama3-8b-random", context=32768, batch=1, method="spotlight",
-                                                 budget=0.02, **common))  # fmt: skip
+                                                 budget=0.02, profile=True, **common))  # fmt: skip
     attempt("spotlight_32k_b8", lambda: run_e2e("llama3-8b-random", context=32768, batch=8, method="spotlight",
-                                                 budget=0.02, **common))  # fmt: skip
+                                                 budget=0.02, profile=True, **common))  # fmt: skip
+    attempt("spotlight_32k_b8_dense01", lambda: run_e2e("llama3-8b-random", context=32768, batch=8,
+                                                         method="spotlight", budget=0.02, dense_layers=(0, 1),
+                                                         **common))  # fmt: skip
     attempt("gemfilter_32k_b1", lambda: run_e2e("llama3-8b-random", context=32768, batch=1, method="gemfilter",
                                                  budget=0.02, model_obj=model, new_tokens=8))  # fmt: skip
     del model, common
@@ -586,4 +635,19 @@ def suite_table(results: list[dict]) -> str:
             f"{f(x['tpot_speedup']):>6s} {graph:>15s} {f(x['tpot_speedup_graph']):>7s} {f(x['prefill_speedup']):>9s} "
             f"{f(x['prefill_peak_ratio']):>7s} {f(x['cache_bytes_ratio'], '{:.3f}'):>6s}"
         )
+    return "\n".join(lines)
+
+
+def profile_lines(results: list[dict], top: int = 8) -> str:
+    """Kernels per decode step (dense, method) and the method's heaviest kernels, for the profiled runs."""
+    lines = []
+    for r in results:
+        runs = r.get("runs", {})
+        prof = {k: v.get("profile") for k, v in runs.items() if v.get("profile")}
+        if not prof:
+            continue
+        head = ", ".join(f"{k}: {p.get('kernels')} kernels {p.get('kernel_us', 0) / 1e3:.2f} ms" for k, p in prof.items())
+        lines.append(f"{r['name']} ({r['layers']} layers) eager step: {head}")
+        for row in prof.get("method", {}).get("top", [])[:top]:
+            lines.append(f"   {row['us']:9.0f} us  x{row['count']:<4d} {row['name'][:80]}")
     return "\n".join(lines)
