@@ -18,7 +18,14 @@ from sparsekv import SparseConfig
 from sparsekv.attention import forced_tokens, step_hints, token_budgets
 from sparsekv.bench.e2e import greedy_match, run_e2e, synthetic_fill
 from sparsekv.cache import SparseCache
-from sparsekv.selectors.base import DecodeStep, LayerInfo, StepHints, _uniform_topk, host_budget, topk_selection
+from sparsekv.selectors.base import (
+    DecodeStep,
+    LayerInfo,
+    StepHints,
+    _uniform_topk,
+    host_budget,
+    topk_selection,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -42,13 +49,15 @@ def test_host_budget_equals_token_budgets(budget, sink, local):
 
 
 def _step(scores_shape, k, sink, local, gqa="group"):
-    b, s, q, n = scores_shape
+    b, _, q, n = scores_shape
     layer = LayerInfo(0, 1, 8, 2, 16, 0.25)
     visible = torch.ones(b, q, n, dtype=torch.bool)
     forced = forced_tokens(visible, sink, local)
     hints = StepHints(max_budget=k, uniform=True, sink=sink, local=local)
     keys = torch.zeros(b, 2, n, 16)
-    return DecodeStep(torch.zeros(b, 8, q, 16), keys, keys, visible, forced, torch.full((b, q), k), layer, gqa, hints)
+    return DecodeStep(
+        torch.zeros(b, 8, q, 16), keys, keys, visible, forced, torch.full((b, q), k), layer, gqa, hints
+    )
 
 
 @pytest.mark.parametrize("k,sink,local", [(5, 0, 0), (9, 2, 3), (40, 1, 1), (64, 0, 0)])
@@ -104,7 +113,14 @@ def test_histogram_fast_path_equals_cpu_tie_rule():
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", INTERP_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERP_CHECK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
@@ -166,9 +182,9 @@ def test_cli_e2e(tmp_path):
 
 def test_decode_mask_equals_sdpa_mask_outside_capture(monkeypatch):
     """The mask hook only differs from sdpa_mask while a CUDA graph is captured (where transformers keeps a mask)."""
-    import sparsekv.attention as attention
     from transformers.masking_utils import sdpa_mask
 
+    from sparsekv import attention
     from sparsekv.bench.e2e import greedy_ids
     from sparsekv.models import random_model
 
@@ -178,7 +194,9 @@ def test_decode_mask_equals_sdpa_mask_outside_capture(monkeypatch):
     def spy(*args, **kwargs):
         got = original(*args, **kwargs)
         ref = sdpa_mask(*args, **kwargs)
-        seen.append(got is None and ref is None or (got is not None and ref is not None and torch.equal(got, ref)))
+        seen.append(
+            got is None and ref is None or (got is not None and ref is not None and torch.equal(got, ref))
+        )
         return got
 
     monkeypatch.setattr(attention, "decode_mask", spy)

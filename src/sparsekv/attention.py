@@ -50,7 +50,9 @@ def decode_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def visibility(attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device) -> torch.Tensor:
+def visibility(
+    attention_mask: torch.Tensor | None, batch: int, q_len: int, kv_len: int, device
+) -> torch.Tensor:
     """[B, Q, N] bool: which cached keys each new query may see (causal past, padding removed)."""
     if attention_mask is None:
         query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
@@ -81,7 +83,9 @@ def token_budgets(config: SparseConfig, visible: torch.Tensor, forced: torch.Ten
     return torch.maximum(budget, forced.sum(-1)).clamp(min=1).minimum(seen.clamp(min=1))
 
 
-def step_hints(config: SparseConfig, attention_mask: torch.Tensor | None, q_len: int, num_keys: int) -> StepHints:
+def step_hints(
+    config: SparseConfig, attention_mask: torch.Tensor | None, q_len: int, num_keys: int
+) -> StepHints:
     """Host-side facts of a decode step: an upper bound of the budgets (a row never sees more than the cache),
     and whether every row sees the whole cache (no mask and one query: transformers drops an all-ones mask)."""
     bound = host_budget(config, num_keys)

@@ -239,6 +239,7 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
     base = _reset_peak(device)
     extra = setup.warmup + setup.new_tokens + 8
     with torch.inference_mode(), enabled(model, config):
+
         def new_cache(tokens: int) -> SparseCache:
             return SparseCache.for_model(model, config, initial_capacity=tokens + extra)
 
@@ -271,7 +272,9 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
                 pos = pos + 1
         tpot = clock.seconds / setup.new_tokens
         result.update(tpot_ms=1e3 * tpot, tokens_per_s=setup.batch / tpot)
-        result["decode_peak_bytes"] = _peak_above(device, base)  # cache included (base = weights and leftovers)
+        result["decode_peak_bytes"] = _peak_above(
+            device, base
+        )  # cache included (base = weights and leftovers)
         result["cache_bytes"] = cache_bytes(cache)
         result["context_at_end"] = int(cache.layers[0].length) if cache.layers[0].length else None
         stats = cache.stats.summary()
@@ -536,12 +539,19 @@ def greedy_match(
 # the device suite (scripts/gpu_e2e.sh): every acceptance configuration in one process, JSON per config
 
 
-def fit_layers(batch: int, context: int, model: str = "llama3-8b-random", fraction: float = 0.8, cap: int = 32) -> int:
+def fit_layers(
+    batch: int, context: int, model: str = "llama3-8b-random", fraction: float = 0.8, cap: int = 32
+) -> int:
     """Decoder layers of `model` whose bf16 weights + dense KV cache (+ codes) fit in `fraction` of free memory."""
     from sparsekv.models import MODEL_SHAPES
 
     cfg = {**MODEL_SHAPES[MODELS.get(model, (model, {}))[0]].config}
-    h, kv, d, inter = cfg["hidden_size"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
+    h, kv, d, inter = (
+        cfg["hidden_size"],
+        cfg["num_key_value_heads"],
+        cfg["head_dim"],
+        cfg["intermediate_size"],
+    )
     q = cfg["num_attention_heads"]
     per_layer_w = 2 * (h * d * (q + 2 * kv) + q * d * h + 3 * h * inter)
     per_layer_kv = 2 * 2 * batch * kv * context * d * 1.05  # + hash codes / selector state
@@ -563,64 +573,65 @@ def device_suite(out_dir: str, plan: str = "full") -> list[dict]:
     def save(name: str, result: dict) -> None:
         results.append({"name": name, **result})
         (out / "e2e_results.json").write_text(json.dumps(results, indent=1))  # few files come back: one JSON
-        print(f"[{time.strftime('%H:%M:%S')}] {name}: " + json.dumps(result.get("ratios", result))[:400], flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {name}: " + json.dumps(result.get("ratios", result))[:400],
+            flush=True,
+        )
 
-    def attempt(name: str, fn) -> None:
+    def attempt(name: str, fn, **kwargs) -> None:
         try:
-            save(name, fn())
+            save(name, fn(**kwargs))
         except Exception as error:  # noqa: BLE001 - one failing configuration must not lose the others
             traceback.print_exc()
             save(name, {"error": f"{type(error).__name__}: {error}"[:500]})
         _free(torch.device("cuda"))
 
+    def e2e(name: str, net, context: int, batch: int, method: str, **kwargs) -> None:
+        graph = method not in ("gemfilter",)  # gemfilter's decode is plain dense over the kept tokens
+        settings = {"cuda_graph": graph, "new_tokens": 16 if graph else 8, "budget": 0.02, **kwargs}
+        attempt(name, run_e2e, model="llama3-8b-random", model_obj=net, context=context, batch=batch,
+                method=method, **settings)  # fmt: skip
+
     if plan == "profile":
         for layers, ctx, b in ((fit_layers(8, 131072), 131072, 8), (32, 32768, 8), (32, 32768, 1)):
-            model = build_model("llama3-8b-random", layers=layers)
-            attempt(f"spotlight_{ctx // 1024}k_b{b}", lambda: run_e2e(
-                "llama3-8b-random", context=ctx, batch=b, method="spotlight", budget=0.02, model_obj=model,
-                cuda_graph=True, new_tokens=16, profile=True))  # fmt: skip
-            del model
+            net = build_model("llama3-8b-random", layers=layers)
+            e2e(f"spotlight_{ctx // 1024}k_b{b}", net, ctx, b, "spotlight", profile=True)
+            del net
             _free(torch.device("cuda"))
         return results
     # 128K x B8: the layers that fit (one GPU cannot hold all 32 layers' cache, about 137 GB)
-    layers_128k = fit_layers(8, 131072)
-    model = build_model("llama3-8b-random", layers=layers_128k)
-    common = {"model_obj": model, "cuda_graph": True, "new_tokens": 16}
-    attempt("spotlight_128k_b8", lambda: run_e2e("llama3-8b-random", context=131072, batch=8, method="spotlight",
-                                                  budget=0.02, profile=True, **common))  # fmt: skip
-    attempt("self-index_128k_b8", lambda: run_e2e("llama3-8b-random", context=131072, batch=8,
-                                                   method="self-index", budget=0.02, **common))  # fmt: skip
+    net = build_model("llama3-8b-random", layers=fit_layers(8, 131072))
+    e2e("spotlight_128k_b8", net, 131072, 8, "spotlight", profile=True)
+    e2e("self-index_128k_b8", net, 131072, 8, "self-index")
     if plan == "full":
-        attempt("gemfilter_128k_b1", lambda: run_e2e("llama3-8b-random", context=131072, batch=1,
-                                                      method="gemfilter", budget=0.02, model_obj=model,
-                                                      new_tokens=8))  # fmt: skip
-    del model, common
+        e2e("gemfilter_128k_b1", net, 131072, 1, "gemfilter")
+    del net
     _free(torch.device("cuda"))
-    model = build_model("llama3-8b-random", layers=32)
-    common = {"model_obj": model, "cuda_graph": True, "new_tokens": 16}
-    attempt("spotlight_32k_b1", lambda: run_e2e("llama3-8b-random", context=32768, batch=1, method="spotlight",
-                                                 budget=0.02, profile=True, **common))  # fmt: skip
-    attempt("spotlight_32k_b8", lambda: run_e2e("llama3-8b-random", context=32768, batch=8, method="spotlight",
-                                                 budget=0.02, profile=True, **common))  # fmt: skip
-    attempt("spotlight_32k_b8_dense01", lambda: run_e2e("llama3-8b-random", context=32768, batch=8,
-                                                         method="spotlight", budget=0.02, dense_layers=(0, 1),
-                                                         **common))  # fmt: skip
-    attempt("gemfilter_32k_b1", lambda: run_e2e("llama3-8b-random", context=32768, batch=1, method="gemfilter",
-                                                 budget=0.02, model_obj=model, new_tokens=8))  # fmt: skip
-    del model, common
+    net = build_model("llama3-8b-random", layers=32)
+    e2e("spotlight_32k_b1", net, 32768, 1, "spotlight", profile=True)
+    e2e("spotlight_32k_b8", net, 32768, 8, "spotlight", profile=True)
+    e2e("spotlight_32k_b8_dense01", net, 32768, 8, "spotlight", dense_layers=(0, 1))
+    e2e("gemfilter_32k_b1", net, 32768, 1, "gemfilter")
+    del net
     _free(torch.device("cuda"))
-    attempt("greedy_match", lambda: greedy_match(new_tokens=12))
+    attempt("greedy_match", greedy_match, new_tokens=12)
     return results
 
 
 def suite_table(results: list[dict]) -> str:
     """One line per configuration: the numbers the acceptance asks for."""
-    lines = [f"{'run':22s} {'layers':>6s} {'prefill':>9s} {'dense TPOT':>11s} {'TPOT':>9s} {'x':>6s} "
-             f"{'graph d/m ms':>15s} {'x graph':>7s} {'prefill x':>9s} {'pf peak':>7s} {'cache':>6s}"]  # fmt: skip
+    header = (
+        f"{'run':22s} {'layers':>6s} {'prefill':>9s} {'dense TPOT':>11s} {'TPOT':>9s} {'x':>6s} "
+        f"{'graph d/m ms':>15s} {'x graph':>7s} {'prefill x':>9s} {'pf peak':>7s} {'cache':>6s}"
+    )
+    lines = [header]
     for r in results:
         if "runs" not in r:
             if "methods" in r:
-                lines.append(f"{r['name']:22s} " + ", ".join(f"{m} {v['matched']}/{v['total']}" for m, v in r["methods"].items()))
+                lines.append(
+                    f"{r['name']:22s} "
+                    + ", ".join(f"{m} {v['matched']}/{v['total']}" for m, v in r["methods"].items())
+                )
             else:
                 lines.append(f"{r['name']:22s} ERROR {r.get('error', '')[:120]}")
             continue
@@ -646,7 +657,9 @@ def profile_lines(results: list[dict], top: int = 8) -> str:
         prof = {k: v.get("profile") for k, v in runs.items() if v.get("profile")}
         if not prof:
             continue
-        head = ", ".join(f"{k}: {p.get('kernels')} kernels {p.get('kernel_us', 0) / 1e3:.2f} ms" for k, p in prof.items())
+        head = ", ".join(
+            f"{k}: {p.get('kernels')} kernels {p.get('kernel_us', 0) / 1e3:.2f} ms" for k, p in prof.items()
+        )
         lines.append(f"{r['name']} ({r['layers']} layers) eager step: {head}")
         for row in prof.get("method", {}).get("top", [])[:top]:
             lines.append(f"   {row['us']:9.0f} us  x{row['count']:<4d} {row['name'][:80]}")

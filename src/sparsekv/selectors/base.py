@@ -177,7 +177,9 @@ def _uniform_topk(scores: torch.Tensor, step: DecodeStep) -> Selection:
     return Selection(indices=indices, valid=values > float("-inf"))
 
 
-def int_topk_selection(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection | None:
+def int_topk_selection(
+    scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]
+) -> Selection | None:
     """Device fast path for integer scores in a known range [lo, hi], ties to the more recent key, forced first.
 
     Returns None where it does not apply (CPU, no Triton, or a step that is not `uniform`); the caller then runs
@@ -210,7 +212,9 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
         _force(flipped, hints.sink, hints.local, top, flipped=True)
     picked = select_topk(flipped, hints.max_budget, value_range=(lo, top))
     indices = (n - 1) - picked
-    return Selection(indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device))
+    return Selection(
+        indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
+    )
 
 
 @dataclass
@@ -257,7 +261,9 @@ class TokenSelector:
     def select(self, step: DecodeStep) -> Selection:
         return topk_selection(self.score(step), step)
 
-    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def store(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """For `stores_kv` methods: keeps the new tokens and returns the (keys, values) handed to attention.
 
         During the prefill return the full-precision inputs (the dense prefill needs them); afterwards anything
@@ -268,4 +274,6 @@ class TokenSelector:
 
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
         """[B, Hq, Q, d] attention of the queries over their selected tokens."""
-        return sparse_attention(step.query, step.keys, step.values, selection.indices, selection.valid, scaling)
+        return sparse_attention(
+            step.query, step.keys, step.values, selection.indices, selection.valid, scaling
+        )
