@@ -168,6 +168,7 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
                 position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
             ).logits[:, -1]
             if step == 0:
                 _synchronize(device)
