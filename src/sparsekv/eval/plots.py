@@ -99,7 +99,12 @@ def budget_curve(rows: list[dict], path: Path, metric: str, title: str, lower_is
     else:
         ax.set_xlabel("token budget")
     if lower_is_better and metric == "ppl":
+        from matplotlib.ticker import FuncFormatter
+
         ax.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else " (higher is better)"))
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
