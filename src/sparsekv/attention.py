@@ -64,6 +64,14 @@ def visibility(
     return mask.expand(batch, -1, -1)
 
 
+def prompt_key_mask(attention_mask: torch.Tensor | None, num_keys: int) -> torch.Tensor | None:
+    """[B, N] bool: the prompt's real tokens (what its last query sees); None when there is no padding."""
+    if attention_mask is None:
+        return None
+    row = attention_mask[:, 0, -1, :num_keys]
+    return row if row.dtype == torch.bool else row == 0
+
+
 def forced_tokens(visible: torch.Tensor, sink: int, local: int) -> torch.Tensor:
     """The first `sink` and last `local` visible tokens of each query row."""
     if sink == 0 and local == 0:
@@ -113,7 +121,7 @@ def sparse_attention_forward(
     selector, pruner = layer.selector, layer.pruner
     new_keys, new_values = key[..., -layer.new_tokens :, :], value[..., -layer.new_tokens :, :]
     if layer.past_length == 0:
-        selector.prefill(key, value, query)
+        selector.prefill(key, value, query, key_mask=prompt_key_mask(attention_mask, key.shape[2]))
         if pruner is not None:
             pruner.prefill(key, value, query)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)

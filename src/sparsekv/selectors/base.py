@@ -248,8 +248,12 @@ class TokenSelector:
     def check_config(cls, config: SparseConfig) -> None:
         """Raises ConfigError for configs this method cannot run (called when the config is built)."""
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
-        """Builds the state from the prompt's keys/values (and queries, for methods that look at attention)."""
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
+        """Builds the state from the prompt's keys/values (and queries, for methods that look at attention).
+
+        key_mask: [B, N] bool, False on left padding (None: no padding)."""
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Extends the state with newly cached tokens."""

@@ -278,7 +278,9 @@ class DoubleSparsitySelector(TokenSelector):
         self.scales: torch.Tensor | None = None  # [B, Hkv, capacity, 1] for int8
         self.built = 0
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
         self.prompt_length = keys.shape[-2]
         if self.selected is None:
             # calibration on the prompt waits for the first decode step, which tells the padding apart

@@ -53,7 +53,9 @@ class H2OSelector(TokenSelector):
         self.score_sum: torch.Tensor | None = None  # [B, S, capacity] accumulated attention (float64)
         self.cached: torch.Tensor | None = None  # [B, S, capacity] bool, tokens still in the cache
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
         # kept until the first decode step, where `step.visible` tells which prompt positions are padding
         self.prompt_length = keys.shape[-2]
         self.prompt_query = query

@@ -134,7 +134,9 @@ class LSHSelector(TokenSelector):
         self.key_mean: torch.Tensor | None = None
         self.key_codes = CodeBuffer()
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
         # hashing waits for the first decode step: the centring mean must skip left-padding, and only
         # `step.visible` says which prompt positions are padding
         self.prompt_length = keys.shape[-2]

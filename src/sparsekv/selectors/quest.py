@@ -54,7 +54,9 @@ class QuestSelector(TokenSelector):
         self.page_max: torch.Tensor | None = None  # [B, Hkv, pages, d], -inf where no token yet
         self.page_min: torch.Tensor | None = None
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
         # pages are built at the first decode step: their alignment and min/max must skip left padding,
         # which only `step.visible` reveals; later steps extend them incrementally
         self.prompt_length = keys.shape[-2]

@@ -74,7 +74,9 @@ class SnapKVSelector(TokenSelector):
         self.window_query: torch.Tensor | None = None
         self.prompt_scores: torch.Tensor | None = None  # [B, S, P], in [0, group * window]
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
         # the vote runs at the first decode step, where `step.visible` tells the padding apart
         self.prompt_length = keys.shape[-2]
         self.window_query = query[:, :, -self.window :]

@@ -322,7 +322,9 @@ class SpotlightSelector(TokenSelector):
             out = fn(x.reshape(b, self.layer.num_kv_heads, group * t, d), role)
         return pack_sign_bits(out).reshape(b, h, t, -1)
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
         self._codes, self._length = None, 0
         self.append(keys, values)
 

@@ -76,8 +76,10 @@ class TwilightSelector(TokenSelector):
         p = self.config.top_p if self.config.top_p is not None else DEFAULT_TOP_P
         self.pruner = TopPPruner(self.config, self.layer, p=p, bits=self.bits)
 
-    def prefill(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
-        self.inner.prefill(keys, values, query)
+    def prefill(
+        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+    ) -> None:
+        self.inner.prefill(keys, values, query, key_mask)
         self.pruner.prefill(keys, values, query)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
