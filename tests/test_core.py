@@ -227,3 +227,22 @@ def test_cli_bad_input_is_one_line(args, message):
     assert result.returncode == 2
     assert message in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+# ---------------------------------------------------------------- shared mechanics
+
+
+def test_selection_mask_padding_never_clears_a_kept_index():
+    from sparsekv.selectors.base import Selection
+
+    indices = torch.tensor([[3, 3, 1, 1]])
+    valid = torch.tensor([[True, False, False, True]])
+    assert Selection(indices, valid).to_mask(5).tolist() == [[False, True, False, True, False]]
+
+
+def test_top_p_threshold_keeps_mass_when_a_midpoint_hits_a_weight():
+    from sparsekv.kernels.top_p import top_p_threshold_reference
+
+    weights = torch.tensor([[0.5, 0.25, 0.25]])  # the first midpoint is exactly 0.25
+    keep = top_p_threshold_reference(weights, torch.ones_like(weights, dtype=torch.bool), 0.75)
+    assert float(weights[keep].sum()) >= 0.75

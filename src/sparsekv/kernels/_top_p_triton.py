@@ -41,7 +41,7 @@ def _top_p_kernel(w_ptr, v_ptr, out_ptr, K, sw, sv, so, p, eps, MAX_ITERS: tl.co
             m = offs < K
             ok = m & (tl.load(v_row + offs, mask=m, other=0) != 0)
             w = tl.where(ok, tl.load(w_row + offs, mask=m, other=0.0).to(tl.float32), 0.0)
-            mass += tl.sum(tl.where(w >= mid, w, 0.0), axis=0)
+            mass += tl.sum(tl.where(w > mid, w, 0.0), axis=0)
         up = mass >= target
         low = tl.where(up, mid, low)
         high = tl.where(up, high, mid)

@@ -6,6 +6,13 @@ import torch
 import torch.nn.functional as F
 
 
+def selection_mask(indices: torch.Tensor, valid: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[..., N] bool mask of the valid indices. A max-reduction, so a padding entry that repeats a kept index
+    can never clear it (a plain scatter would depend on write order)."""
+    mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.uint8, device=indices.device)
+    return mask.scatter_reduce_(-1, indices, valid.to(torch.uint8), reduce="amax").bool()
+
+
 def sparse_attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -20,8 +27,7 @@ def sparse_attention_reference(
     """
     num_heads = query.shape[1]
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
-    mask = torch.zeros(*indices.shape[:-1], num_keys, dtype=torch.bool, device=indices.device)
-    mask.scatter_(-1, indices, valid)
+    mask = selection_mask(indices, valid, num_keys)
     if mask.shape[1] != num_heads:
         mask = mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
     group = num_heads // num_kv_heads

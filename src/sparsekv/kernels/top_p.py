@@ -14,7 +14,7 @@ def top_p_threshold_reference(weights: torch.Tensor, valid: torch.Tensor, p: flo
     valid [R, K] bool -> keep mask [R, K] bool.
 
     Bisection on a threshold: low = 0, high = max; while high - low >= 1e-5: mid = (low + high) / 2, and if the
-    valid weights >= mid hold at least p of the mass then low = mid else high = mid. Keep valid & (w > low); a row
+    valid weights > mid hold at least p of the mass then low = mid else high = mid. Keep valid & (w > low); a row
     whose kept set would be empty keeps its largest weight.
     """
     w = torch.where(valid, weights.float(), torch.zeros((), device=weights.device))
@@ -27,7 +27,7 @@ def top_p_threshold_reference(weights: torch.Tensor, valid: torch.Tensor, p: flo
         if not bool(active.any()):
             break
         mid = (low + high) * 0.5
-        mass = torch.where(w >= mid, w, 0.0).sum(-1, keepdim=True)
+        mass = torch.where(w > mid, w, 0.0).sum(-1, keepdim=True)
         up = active & (mass >= target)
         low = torch.where(up, mid, low)
         high = torch.where(active & ~up, mid, high)

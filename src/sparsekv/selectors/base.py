@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from sparsekv.config import SparseConfig
-from sparsekv.kernels.sparse_attention import sparse_attention
+from sparsekv.kernels.sparse_attention import selection_mask, sparse_attention
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,7 @@ class Selection:
 
     def to_mask(self, num_keys: int) -> torch.Tensor:
         """[B, S, Q, N] bool mask of the selected keys."""
-        mask = torch.zeros(*self.indices.shape[:-1], num_keys, dtype=torch.bool, device=self.indices.device)
-        return mask.scatter_(-1, self.indices, self.valid)
+        return selection_mask(self.indices, self.valid, num_keys)
 
 
 @dataclass
