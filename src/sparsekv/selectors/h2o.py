@@ -115,6 +115,6 @@ class H2OSelector(TokenSelector):
             self.score_sum[..., :n] += self._attention(step.query[:, :, i], step.keys, keep, step).double()
             masks.append(keep)
         mask = torch.stack(masks, dim=2)  # [B, S, Q, N]
-        width = int(step.budgets.max())
+        width = step.max_budget()
         order = torch.argsort(mask.to(torch.int8), dim=-1, descending=True, stable=True)[..., :width]
         return Selection(indices=order, valid=mask.gather(-1, order))

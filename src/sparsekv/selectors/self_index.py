@@ -462,7 +462,7 @@ class SelfIndexSelector(TokenSelector):
         scores = to_selection_heads(self.score(step), step).float()
         visible = step.visible[:, None]
         scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
-        k_max = int(step.budgets.max())
+        k_max = step.max_budget()
         ranked = scores.sort(dim=-1, descending=True, stable=True)
         values, indices = ranked.values[..., :k_max], ranked.indices[..., :k_max]
         ranks = torch.arange(k_max, device=scores.device)
