@@ -257,3 +257,18 @@ def test_only_cached_cache_reports_missing_cells_instead_of_computing(tmp_path):
     table = markdown_table(run_compare("ppl", run, ["dense", "streaming"], [0.1]))
     assert "| dense | 10.00 |" in table and "| streaming | not run |" in table
     assert "- not run yet: streaming @ budget 10%" in table
+
+
+def test_stale_ok_accepts_a_cell_of_an_older_method_version(tmp_path):
+    from sparsekv.eval.common import CellNotCached
+
+    old = {"m": "x", "config": {"method": "quest", "budget": 0.1, "source": "aaaa", "data": "none"}}
+    new = {"m": "x", "config": {"method": "quest", "budget": 0.1, "source": "bbbb", "data": "none"}}
+    ResultCache(tmp_path).put("ppl", old, {"ppl": 3.0})
+    with pytest.raises(CellNotCached):
+        ResultCache(tmp_path, only_cached=True).cached("ppl", new, lambda: pytest.fail("computed"))
+    lenient = ResultCache(tmp_path, only_cached=True, stale_ok=True)
+    assert lenient.cached("ppl", new, lambda: pytest.fail("computed")) == {"ppl": 3.0} and lenient.stale == 1
+    other = {"m": "x", "config": {"method": "quest", "budget": 0.2, "source": "aaaa", "data": "none"}}
+    with pytest.raises(CellNotCached):
+        lenient.cached("ppl", other, lambda: pytest.fail("computed"))

@@ -87,12 +87,15 @@ def parse_budgets(text: str) -> list[int | float]:
     return budgets
 
 
-def result_cache(cache_dir: Path | None, no_cache: bool, only_cached: bool = False):
+def result_cache(cache_dir: Path | None, no_cache: bool, only_cached: bool = False, stale_ok: bool = False):
     from sparsekv.eval.common import ResultCache, default_cache_dir
 
     if no_cache and only_cached:
         raise ConfigError("--no-cache and --only-cached exclude each other")
-    return ResultCache(None if no_cache else (cache_dir or default_cache_dir()), only_cached=only_cached)
+    if stale_ok and not only_cached:
+        raise ConfigError("--stale-ok only works with --only-cached")
+    return ResultCache(None if no_cache else (cache_dir or default_cache_dir()), only_cached=only_cached,
+                       stale_ok=stale_ok)  # fmt: skip
 
 
 def handle(model: str, device: str, dtype: str):
@@ -389,6 +392,8 @@ def compare(
     plot: PlotOpt = None,
     only_cached: Annotated[bool, typer.Option(
         "--only-cached", help="compute nothing: table of the cells already cached, others 'not computed yet'")] = False,
+    stale_ok: Annotated[bool, typer.Option(
+        "--stale-ok", help="with --only-cached: accept cells computed with an older method file/checkpoint")] = False,
 ) -> None:
     """One task over methods x budgets: a markdown table and a budget-quality plot."""
     from sparsekv.eval import compare as cmp
@@ -396,15 +401,18 @@ def compare(
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
     budget_list = parse_budgets(budgets)
     base = {"top_p": top_p, "dense_layers": parse_layers(dense_layers), "sink": sink, "local": local, "gqa": gqa}
-    runner, settings_note = _task_runner(task, model, device, dtype, result_cache(cache_dir, no_cache, only_cached),
-                                         text_file,
+    cache = result_cache(cache_dir, no_cache, only_cached, stale_ok)
+    runner, settings_note = _task_runner(task, model, device, dtype, cache, text_file,
                                          context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
                                          samples, prompts_file, seed)  # fmt: skip
     result = cmp.run_compare(task, runner, method_list, budget_list, base=base, options=parse_options(option),
                              quiet=quiet)  # fmt: skip
     table = cmp.markdown_table(result)
     console.print(table, markup=False, highlight=False, soft_wrap=True)
-    payload = {**result.to_dict(), "model": model, "settings": settings_note, "markdown": table}
+    if cache.stale:
+        console.print(f"{cache.stale} cell(s) were computed with an older version of their method", style="yellow")
+    payload = {**result.to_dict(), "model": model, "settings": settings_note, "markdown": table,
+               "stale_cells": cache.stale}  # fmt: skip
     md = plot_path(markdown, output, ".md")
     if md is not None:
         md.parent.mkdir(parents=True, exist_ok=True)

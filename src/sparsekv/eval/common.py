@@ -108,7 +108,7 @@ def config_key(config: SparseConfig) -> dict:
     files = _file_stamps([v for v in config.options.values() if isinstance(v, str)])
     if files:
         key["option_files"] = files
-    key["data"] = _data_stamp()
+    key["data"] = _data_stamp(config.method, cls.__module__.rsplit(".", 1)[-1])
     return key
 
 
@@ -123,13 +123,17 @@ def _file_stamps(values: list[str]) -> list:
     return stamps
 
 
-def _data_stamp() -> str:
-    """Digest of the names, sizes and mtimes of the shipped files in sparsekv/data (checkpoints used by 'auto')."""
+def _data_stamp(*prefixes: str) -> str:
+    """Digest of the names, sizes and mtimes of the method's shipped files in sparsekv/data (checkpoints that
+    options like checkpoint="auto" pick up), found by name: they start with the method or module name
+    (e.g. spotlight-smollm2-135m.safetensors). "none" when the method ships nothing."""
     folder = Path(__file__).resolve().parent.parent / "data"
     if not folder.is_dir():
         return "none"
-    entries = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sorted(folder.rglob("*")) if p.is_file()]
-    return digest(entries)
+    names = tuple({p.lower() for p in prefixes} | {p.lower().replace("-", "_") for p in prefixes})
+    entries = [(p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in sorted(folder.rglob("*"))
+               if p.is_file() and p.name.lower().startswith(names)]  # fmt: skip
+    return digest(entries) if entries else "none"
 
 
 def describe(config: SparseConfig) -> str:
@@ -189,6 +193,10 @@ class ResultCache:
     misses: int = 0
     #: report a missing cell (CellNotCached) instead of computing it: assembles tables from finished work
     only_cached: bool = False
+    #: with only_cached: also accept a cell computed with an older version of the method's code/checkpoint
+    #: (same key apart from the source/data stamps); the newest such cell is used and counted in `stale`
+    stale_ok: bool = False
+    stale: int = 0
 
     def path(self, task: str, key: dict) -> Path | None:
         if self.root is None:
@@ -208,6 +216,19 @@ class ResultCache:
         self.hits += 1
         return result
 
+    def _stale_match(self, task: str, key: dict) -> dict | None:
+        if self.root is None or not (self.root / task).is_dir():
+            return None
+        wanted = _without_stamps(json.loads(json.dumps(key, default=str)))
+        for path in sorted((self.root / task).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+            try:
+                stored = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if _without_stamps(stored.get("key", {})) == wanted:
+                return stored["result"]
+        return None
+
     def put(self, task: str, key: dict, result: dict) -> None:
         path = self.path(task, key)
         if path is None:
@@ -222,6 +243,11 @@ class ResultCache:
         if hit is not None:
             return hit
         if self.only_cached:
+            if self.stale_ok:
+                older = self._stale_match(task, key)
+                if older is not None:
+                    self.stale += 1
+                    return older
             raise CellNotCached(f"{task} cell not computed yet (--only-cached)")
         result = compute()
         self.put(task, key, result)
@@ -229,6 +255,15 @@ class ResultCache:
 
 
 NO_CACHE = ResultCache(None)
+
+_STAMPS = ("source", "pruner_source", "data")
+
+
+def _without_stamps(key: dict) -> dict:
+    out = dict(key)
+    if isinstance(out.get("config"), dict):
+        out["config"] = {k: v for k, v in out["config"].items() if k not in _STAMPS}
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ misc
