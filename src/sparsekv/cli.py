@@ -35,8 +35,10 @@ class UserError(Exception):
     """A bad input reported as one line, without a traceback."""
 
 
-def parse_budget(text: str) -> int | float:
-    """'0.1' -> fraction, '512' -> tokens."""
+def parse_budget(text: str | None) -> int | float | None:
+    """'0.1' -> fraction, '512' -> tokens, None -> the method's default."""
+    if text is None:
+        return None
     try:
         return int(text)
     except ValueError:
@@ -72,7 +74,7 @@ def parse_layers(text: str) -> tuple[int, ...]:
 
 def build_config(
     method: str,
-    budget: str,
+    budget: str | None,
     top_p: float | None = None,
     dense_layers: str = "0,1",
     sink: int = 0,
@@ -93,7 +95,9 @@ def build_config(
 
 
 MethodOpt = Annotated[str, typer.Option("--method", "-m", help="selection method (see `sparsekv methods`)")]
-BudgetOpt = Annotated[str, typer.Option(help="tokens (int) or fraction of the context in (0, 1)")]
+BudgetOpt = Annotated[
+    Optional[str], typer.Option(help="tokens (int) or fraction of the context in (0, 1); default: the method's")
+]
 TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="prune candidates to attention mass p")]
 DenseLayersOpt = Annotated[str, typer.Option(help="comma-separated layers kept dense")]
 OptionOpt = Annotated[Optional[list[str]], typer.Option("--option", "-o", help="method option key=value")]
@@ -141,7 +145,7 @@ def generate(
     prompt: Annotated[str, typer.Option(help="the prompt (chat template applied when the model has one)")],
     model: ModelOpt = "default",
     method: MethodOpt = "oracle-topk",
-    budget: BudgetOpt = "0.1",
+    budget: BudgetOpt = None,
     top_p: TopPOpt = None,
     dense_layers: DenseLayersOpt = "0,1",
     sink: int = 0,
@@ -188,7 +192,7 @@ def format_stats(result) -> str:
 def demo(
     model: ModelOpt = "default",
     method: MethodOpt = "oracle-topk",
-    budget: BudgetOpt = "0.1",
+    budget: BudgetOpt = None,
     top_p: TopPOpt = None,
     context: Annotated[int, typer.Option(help="haystack tokens around the needle")] = 1000,
     max_new_tokens: int = 24,
@@ -198,8 +202,8 @@ def demo(
 ) -> None:
     """Needle in a haystack: dense vs a sparse method, answers, budgets and times side by side."""
     import sparsekv
-    from sparsekv.models import chat_prompt
     from sparsekv.eval.haystack import needle_prompt
+    from sparsekv.models import chat_prompt
 
     sparse_config = build_config(method, budget, top_p)
     loaded, tokenizer = load(model, device, dtype)
@@ -250,7 +254,7 @@ def main() -> None:
     except (ConfigError, UserError) as error:
         console.print(f"error: {error}", style="bold red", markup=False)
         sys.exit(2)
-    except Exception as error:  # noqa: BLE001 - report known load/asset errors as one line
+    except Exception as error:
         from click.exceptions import Abort, ClickException, Exit
 
         if isinstance(error, Exit):

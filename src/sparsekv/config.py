@@ -19,7 +19,8 @@ class SparseConfig:
     """How decode attention picks its tokens.
 
     budget: tokens attended per query and per selection head, sink/local included; an int is a token count,
-        a float in (0, 1) a fraction of the tokens visible to that query (rounded up, at least 1).
+        a float in (0, 1) a fraction of the tokens visible to that query (rounded up, at least 1); None = the
+        method's default (10%, Twilight's candidates 25%).
     top_p: optional Twilight-style pruning of the selected candidates to the smallest set with estimated
         attention mass >= top_p.
     dense_layers: layers that always attend densely (the first two by default, as in Quest / Twilight).
@@ -30,7 +31,7 @@ class SparseConfig:
     """
 
     method: str = "dense"
-    budget: int | float = 0.1
+    budget: int | float | None = None
     top_p: float | None = None
     dense_layers: tuple[int, ...] = (0, 1)
     sink: int = 0
@@ -39,9 +40,14 @@ class SparseConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from sparsekv.registry import get_method_class, method_options  # late: the registry imports the methods
+        from sparsekv.registry import (  # late: the registry imports the methods
+            get_method_class,
+            method_options,
+        )
 
         accepted = method_options(self.method)  # raises ConfigError listing the known methods
+        if self.budget is None:
+            object.__setattr__(self, "budget", get_method_class(self.method).default_budget)
         budget = self.budget
         if isinstance(budget, bool) or not isinstance(budget, (int, float)):
             raise ConfigError(f"budget must be an int (tokens) or a float in (0, 1) (fraction), got {budget!r}")

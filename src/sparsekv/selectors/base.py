@@ -226,6 +226,8 @@ class TokenSelector:
     name: ClassVar[str] = ""
     #: attend densely, no selection (the `dense` method)
     dense: ClassVar[bool] = False
+    #: the budget when the config leaves it unset
+    default_budget: ClassVar[int | float] = 0.1
     #: the method applies config.top_p itself (otherwise top_p adds the Twilight pruner after it)
     consumes_top_p: ClassVar[bool] = False
     #: the method keeps K/V itself (compressed caches): SparseLayer.update calls `store`, attention calls `attend`

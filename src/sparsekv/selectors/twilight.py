@@ -45,6 +45,7 @@ class TwilightSelector(TokenSelector):
 
     name = "twilight"
     consumes_top_p = True
+    default_budget = 0.25  # generous candidates; top-p then keeps what the attention mass needs
 
     base: str = DEFAULT_BASE
     bits: int = 4
