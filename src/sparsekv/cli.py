@@ -35,10 +35,8 @@ class UserError(Exception):
     """A bad input reported as one line, without a traceback."""
 
 
-def parse_budget(text: str | None) -> int | float | None:
-    """'0.1' -> fraction, '512' -> tokens, None -> the method's default."""
-    if text is None:
-        return None
+def parse_count_or_fraction(text: str, what: str) -> int | float:
+    """'0.1' -> 0.1 (a fraction), '512' -> 512 (tokens)."""
     try:
         return int(text)
     except ValueError:
@@ -46,7 +44,12 @@ def parse_budget(text: str | None) -> int | float | None:
     try:
         return float(text)
     except ValueError:
-        raise ConfigError(f"budget must be an int (tokens) or a fraction in (0, 1), got {text!r}") from None
+        raise ConfigError(f"{what} must be an int (tokens) or a fraction in (0, 1), got {text!r}") from None
+
+
+def parse_budget(text: str | None) -> int | float | None:
+    """None -> the method's default budget."""
+    return None if text is None else parse_count_or_fraction(text, "budget")
 
 
 def parse_options(items: list[str] | None) -> dict:

@@ -532,17 +532,6 @@ def recommend_layer(probes: Sequence[ProbeResult], min_coverage: float = 0.5) ->
 # ------------------------------------------------------------------------------------------------------ CLI
 
 
-def _parse_keep(text: str) -> int | float:
-    try:
-        return int(text)
-    except ValueError:
-        pass
-    try:
-        return float(text)
-    except ValueError:
-        raise ConfigError(f"--keep expects tokens (int) or a fraction (float), got {text!r}") from None
-
-
 def _parse_list(text: str, kind: type, name: str) -> list:
     try:
         return [kind(part) for part in text.split(",") if part.strip()]
@@ -558,7 +547,17 @@ def register(app) -> None:
     import typer
     from rich.table import Table
 
-    from sparsekv.cli import DeviceOpt, DtypeOpt, ModelOpt, OutputOpt, console, format_stats, load, write_json
+    from sparsekv.cli import (
+        DeviceOpt,
+        DtypeOpt,
+        ModelOpt,
+        OutputOpt,
+        console,
+        format_stats,
+        load,
+        parse_count_or_fraction,
+        write_json,
+    )
 
     @app.command("gemfilter-scan")
     def gemfilter_scan(
@@ -578,7 +577,7 @@ def register(app) -> None:
     ) -> None:
         """Needle probe over layers: distance between the needle and the selected tokens per layer (GemFilter
         Fig. 5); recommends the filter layer."""
-        keep_value = _parse_keep(keep)
+        keep_value = parse_count_or_fraction(keep, "--keep")
         _check_options(keep_value, None, pool, window)
         context_list = _parse_list(contexts, int, "contexts")
         depth_list = _parse_list(depths, float, "depths")
@@ -653,7 +652,7 @@ def register(app) -> None:
 
         if sum(x is not None for x in (prompt, prompt_file, needle_context)) != 1:
             raise UserError("give exactly one of --prompt, --prompt-file, --needle-context")
-        options = {"keep": _parse_keep(keep), "filter_layer": filter_layer, "pool": pool, "window": window}
+        options = {"keep": parse_count_or_fraction(keep, "--keep"), "filter_layer": filter_layer, "pool": pool, "window": window}
         config = SparseConfig(method="gemfilter", options=options)
         loaded, tokenizer = load(model, device, dtype)
         if needle_context is not None:
