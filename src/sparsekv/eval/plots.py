@@ -93,18 +93,22 @@ def budget_curve(rows: list[dict], path: Path, metric: str, title: str, lower_is
         points = sorted((b, v) for b, v in points if b is not None)
         ax.plot([b for b, _ in points], [v for _, v in points], marker=markers[i % len(markers)], label=method)
     if budgets and all(isinstance(b, float) for b in budgets):
+        from matplotlib.ticker import NullFormatter
+
         ax.set_xscale("log")
         ax.set_xticks(budgets, [f"{100 * b:g}%" for b in budgets])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("token budget (fraction of the context)")
     else:
         ax.set_xlabel("token budget")
     if lower_is_better and metric == "ppl":
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter, NullFormatter
 
         ax.set_yscale("log")
         plain = FuncFormatter(lambda value, _: f"{value:g}")
         ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        low, high = ax.get_ylim()
+        ax.yaxis.set_minor_formatter(plain if high / low < 10 else NullFormatter())
     ax.set_ylabel(metric + (" (lower is better)" if lower_is_better else " (higher is better)"))
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
