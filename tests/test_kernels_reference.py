@@ -196,3 +196,16 @@ def test_lut_reference():
     )
     naive = torch.einsum("bhqd,bhnd->bhqn", query.reshape(1, 2, 2, 2, d).sum(2), approx)
     assert torch.allclose(out, naive, atol=1e-4)
+
+
+@pytest.mark.parametrize(("bits", "group"), [(100, 3), (128, 4), (1024, 1), (33, 2)])
+def test_hamming_matmul_path_equals_popcount_reference(bits, group):
+    from sparsekv.kernels.hamming import hamming_scores_matmul, hamming_scores_reference
+
+    gen = torch.Generator().manual_seed(bits)
+    words = (bits + 31) // 32
+    query = torch.randint(-(2**31), 2**31 - 1, (2, 2 * group, 3, words), generator=gen, dtype=torch.int64)
+    keys = torch.randint(-(2**31), 2**31 - 1, (2, 2, 37, words), generator=gen, dtype=torch.int64)
+    query, keys = query.to(torch.int32), keys.to(torch.int32)
+    expected = hamming_scores_reference(query, keys, bits=bits)
+    assert torch.equal(hamming_scores_matmul(query, keys, bits=bits), expected)
