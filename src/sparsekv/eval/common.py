@@ -19,6 +19,7 @@ import torch
 
 from sparsekv.config import SparseConfig
 from sparsekv.registry import TOP_P_PRUNER, get_method_class
+from sparsekv.selectors.base import TokenSelector
 
 #: bump when a task's protocol changes so that cached cells of the old protocol are not reused
 PROTOCOL_VERSION = 1
@@ -90,7 +91,9 @@ def config_key(config: SparseConfig) -> dict:
     pruner's when it is used), so an edited method never reuses stale cached cells. A dense config reduces to
     {"method": "dense"}: its budget and options change nothing."""
     cls = get_method_class(config.method)
-    if cls.dense:
+    # a prompt filter (GemFilter) decodes densely but its options change the output: only a plain dense method
+    # may drop them from the key
+    if cls.dense and cls.filter_prompt.__func__ is TokenSelector.filter_prompt.__func__:
         return {"method": config.method}
     key = {
         "method": config.method,
