@@ -1,17 +1,24 @@
 """Twilight measurements on the default model: decode-faithful perplexity and the estimator's kept mass.
 
-Per 4K window of the embedded haystack: dense prefill of `prefix` tokens, then the rest in chunks through the enabled
+Per window of the embedded haystack: dense prefill of `prefix` tokens, then the rest in chunks through the enabled
 model with one SparseCache (each query selects from its own causal past, so chunked = token-by-token). Runs
 
-  dense | quest@C (the candidates alone) | quest@C + top-p P (INT4 estimator, measured) | quest@F with F = the mean
-  fraction top-p kept | optionally oracle-topk@F
+  dense | quest@C for each candidate budget C | quest@C + top-p P (INT4 estimator) for each C and P, each followed
+  by quest@F with F = the mean fraction top-p kept | optionally: oracle-page@C (Quest's pages ranked by their
+  exact attention mass: what any page-level score can reach), oracle-topk@C, oracle-topk@F, and all tokens + top-p
+  P (the paper's PG-19 setting: the pruner over full attention)
 
-During the top-p run every (n-th) prune call is also scored with exact attention weights: kept mass relative to
-the candidates (exact softmax over the candidates per query head, group-summed: what the estimator approximates)
-and as a share of the whole attention (softmax over all visible tokens) of the INT4 keep set and, as shadows that do not affect the run, of the 2-bit,
-8-bit and exact-weight keep sets (the paper's Fig. 6), both over the quest candidates and over all visible tokens.
+With --measure-every N > 0 every N-th prune call of the first quest@C + top-p run is also scored with exact
+attention weights: kept mass relative to the candidates (exact softmax over the candidates per query head,
+group-summed: what the estimator approximates) and as a share of the whole attention (softmax over all visible
+tokens) of the INT4 keep set and, as shadows that do not affect the run, of the 2-bit, 8-bit and exact-weight keep
+sets (the paper's Fig. 6), both over the quest candidates and over all visible tokens. This is ~5x slower.
 
-    PYTHONPATH=src python scripts/twilight_eval.py --windows 3 --output twilight_eval.json
+Every run is written to --output as it finishes; rerunning with the same output skips the runs already there
+(same windows), so an interrupted evaluation resumes.
+
+    PYTHONPATH=src python scripts/twilight_eval.py --windows 3 --start 16384 --top-p 0.95 0.98 0.99 \
+        --measure-every 0 --oracle-page --full-top-p --output results/twilight_ppl_4k.json
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections import defaultdict
@@ -30,8 +38,10 @@ import torch.nn.functional as F
 import sparsekv
 from sparsekv import SparseCache, SparseConfig
 from sparsekv.pruners.top_p import TopPPruner, budget_report, compact
-from sparsekv.selectors.base import DecodeStep, Selection
+from sparsekv.selectors.base import DecodeStep, Selection, to_selection_heads
+from sparsekv.selectors.lsh import unique_ranks
 from sparsekv.selectors.oracle import exact_weights
+from sparsekv.selectors.quest import QuestSelector
 
 ESTIMATORS = ("2", "4", "8", "exact")
 MEASURE_EVERY = 1  # score every n-th prune call of a layer with exact weights (--measure-every)
@@ -115,6 +125,36 @@ class MeasuredPruner(TopPPruner):
         return pruned
 
 
+class OraclePage(QuestSelector):
+    """Diagnostic, not a method: Quest's page layout and budget rule (own page first, then whole pages best-first,
+    the most recent tokens of the last page), with each page scored by its exact attention mass (group-summed)
+    instead of the min/max bound. Its perplexity is the best any page-level score can do at that budget."""
+
+    name = "oracle-page"
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        self._sync(step)
+        n, q_len, size = step.keys.shape[-2], step.query.shape[2], self.page_size
+        rel = torch.arange(n, device=step.keys.device)[None, :] - self.start[:, None]
+        token_page, offset = rel.clamp(min=0) // size, rel.clamp(min=0) % size
+        pages = int(token_page.max()) + 1
+        weights = exact_weights(step).float()  # [B, S, Q, N], zero where not visible
+        scores = weights.new_zeros(*weights.shape[:3], pages)
+        scores.scatter_add_(-1, token_page[:, None, None, :].expand_as(weights), weights)
+        scores = to_selection_heads(scores, step)
+        query_page = token_page[:, n - q_len :]
+        earlier = torch.arange(pages, device=scores.device)[None, None, :] < query_page[:, :, None]
+        ranks = unique_ranks(scores.masked_fill(~earlier[:, None], float("-inf")))
+        shape = (*scores.shape[:3], n)
+        key = ranks.gather(-1, token_page[:, None, None, :].expand(shape)) * size + offset[:, None, None, :]
+        own = token_page[:, None, None, :] == query_page[:, None, :, None]
+        return torch.where(own, float((pages + 1) * size) + offset[:, None, None, :], key)
+
+
+# a diagnostic registered for this script only (the selector is built by name inside SparseCache)
+sparsekv.registry.METHODS.setdefault(OraclePage.name, f"{__name__}:OraclePage")
+
+
 @torch.inference_mode()
 def window_nll(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chunk: int, measured: bool):
     cache = SparseCache.for_model(model, config)
@@ -137,7 +177,7 @@ def window_nll(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chun
     return nll, total - prefix, time.perf_counter() - start, cache
 
 
-def run(model, windows, config, args, measured=False) -> dict:
+def run(model, windows, config, args, measured=False, label=None) -> dict:
     nll = tokens = seconds = 0.0
     stats_rows, fraction_sum, kept_sum = 0, 0.0, 0.0
     reports, sums, samples = [], defaultdict(float), defaultdict(list)
@@ -164,9 +204,9 @@ def run(model, windows, config, args, measured=False) -> dict:
                             sums[k] += v
                     for k, v in layer.pruner.samples.items():
                         samples[k].extend(v)
-        print(f"  {config.method} budget={config.budget} top_p={config.top_p}: window ppl {per_window[-1]:.4f} "
-              f"({w_seconds:.0f}s)", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"  {label}: window ppl {per_window[-1]:.4f} ({w_seconds:.0f}s)", file=sys.stderr, flush=True)
     result = {
+        "label": label,
         "method": config.method,
         "budget": config.budget,
         "top_p": config.top_p,
@@ -241,20 +281,25 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--prefix", type=int, default=512)
-    parser.add_argument("--chunk", type=int, default=256)
-    parser.add_argument("--start", type=int, default=0)
-    parser.add_argument("--candidates", type=float, default=0.25)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--oracle", action="store_true", help="also oracle-topk at the matched budget")
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--start", type=int, default=0, help="token offset of the first window")
+    parser.add_argument("--candidates", type=float, nargs="+", default=[0.25], help="quest candidate budgets")
+    parser.add_argument("--top-p", type=float, nargs="+", default=[0.95])
     parser.add_argument(
-        "--measure-every", type=int, default=1, help="score every n-th chunk's pruning exactly"
+        "--oracle", action="store_true", help="also oracle-topk at each matched budget and at C"
     )
-    parser.add_argument("--skip-candidates", action="store_true", help="skip the quest@candidates run")
+    parser.add_argument("--oracle-page", action="store_true", help="also oracle-page@C (exact page masses)")
+    parser.add_argument(
+        "--full-top-p", action="store_true", help="also top-p P over all tokens (paper's PG-19)"
+    )
+    parser.add_argument(
+        "--measure-every", type=int, default=0, help="score every n-th prune call exactly (0: off)"
+    )
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     global MEASURE_EVERY
-    MEASURE_EVERY = args.measure_every
-    torch.set_num_threads(2)
+    MEASURE_EVERY = max(args.measure_every, 1)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     from sparsekv.assets import haystack_text
     from sparsekv.eval.ppl import PplSettings, text_windows
     from sparsekv.models import load_model
@@ -262,50 +307,70 @@ def main() -> None:
     model, tokenizer = load_model("default", dtype=torch.float32)
     settings = PplSettings(args.context, args.prefix, args.chunk, args.windows, args.start)
     windows = text_windows(tokenizer, haystack_text(), settings)
+    shape = {k: getattr(args, k) for k in ("windows", "context", "prefix", "start")}
     results = {"settings": vars(args) | {"output": str(args.output)}, "runs": []}
+    if args.output and args.output.exists():
+        previous = json.loads(args.output.read_text())
+        if {k: previous["settings"].get(k) for k in shape} == shape:
+            results["runs"] = [r for r in previous["runs"] if r.get("label")]
 
-    def record(result):
+    def record(label: str, config: SparseConfig, measured: bool = False) -> dict:
+        for done in results["runs"]:
+            if done["label"] == label:
+                return done
+        result = run(model, windows, config, args, measured, label)
         results["runs"].append(result)
         if args.output:
             args.output.write_text(json.dumps(results, indent=1))
         return result
 
-    dense = record(run(model, windows, SparseConfig(method="dense"), args))
-    twilight = record(
-        run(
-            model, windows, SparseConfig(method="quest", budget=args.candidates, top_p=args.top_p), args, True
-        )
-    )
-    report(results, dense, twilight)
-    matched = twilight["mean_kept_fraction"]
-    record(run(model, windows, SparseConfig(method="quest", budget=matched), args))
-    report(results, dense, twilight)
-    if not args.skip_candidates:
-        record(run(model, windows, SparseConfig(method="quest", budget=args.candidates), args))
-    if args.oracle:
-        record(run(model, windows, SparseConfig(method="oracle-topk", budget=matched), args))
-    report(results, dense, twilight)
+    dense = record("dense", SparseConfig(method="dense"))
+    measured = args.measure_every > 0
+    for c in args.candidates:
+        record(f"quest@{c}", SparseConfig(method="quest", budget=c))
+        if args.oracle_page:
+            record(f"oracle-page@{c}", SparseConfig(method=OraclePage.name, budget=c))
+        if args.oracle:
+            record(f"oracle-topk@{c}", SparseConfig(method="oracle-topk", budget=c))
+        for p in args.top_p:
+            twilight = record(
+                f"quest@{c}+top-p{p}", SparseConfig(method="quest", budget=c, top_p=p), measured=measured
+            )
+            measured = False
+            matched = twilight["mean_kept_fraction"]
+            record(f"quest@{c}:matched-top-p{p}", SparseConfig(method="quest", budget=matched))
+            if args.oracle:
+                record(
+                    f"oracle-topk@{c}:matched-top-p{p}", SparseConfig(method="oracle-topk", budget=matched)
+                )
+    if args.full_top_p:
+        for p in args.top_p:
+            # an int budget of the whole window: the candidates are all visible tokens
+            record(f"all+top-p{p}", SparseConfig(method="oracle-topk", budget=args.context, top_p=p))
+    report(results, dense)
 
 
-def report(results: dict, dense: dict, twilight: dict) -> None:
-    print(f"\n{'method':<34}{'ppl':>9}{'x dense':>9}{'kept %':>9}{'s':>7}")
+def report(results: dict, dense: dict) -> None:
+    print(f"\n{'run':<34}{'ppl':>9}{'x dense':>9}{'kept %':>9}  per window x dense")
     for r in results["runs"]:
-        label = f"{r['method']}@{r['budget'] if isinstance(r['budget'], int) else round(r['budget'], 4)}"
-        label += f" +top-p {r['top_p']}" if r["top_p"] else ""
         frac = r["mean_kept_fraction"]
-        print(f"{label:<34}{r['ppl']:>9.4f}{r['ppl'] / dense['ppl']:>9.4f}"
-              f"{(100 * frac if frac is not None else 100):>9.2f}{r['seconds']:>7.0f}")  # fmt: skip
-    est = twilight["estimator"]
-    for scope in ("quest", "all"):
-        e = est[scope]
-        print(f"\nkept mass with exact weights, candidates = {scope} (p = {est['p']}, "
-              f"candidates hold {e['candidate_mass_of_total']:.4f} of the attention, "
-              f"{e['mean_candidates']:.0f} tokens, exact minimal set {e['mean_minimal_tokens_exact']:.1f})")  # fmt: skip
-        for name in ("2bit", "4bit", "8bit", "exact"):
-            v = e[name]
-            print(f"  {name:<6} mean {v['mean_kept_mass_rel_candidates']:.4f}  p10 {v['p10_kept_mass_rel']:.4f}  "
-                  f"rows<p {100 * v['fraction_rows_below_p']:.1f}%  of total {v['mean_kept_mass_of_total']:.4f}  "
-                  f"tokens {v['mean_kept_tokens']:.1f}")  # fmt: skip
+        ratios = " ".join(f"{a / b:.4f}" for a, b in zip(r["per_window_ppl"], dense["per_window_ppl"]))
+        print(f"{r['label']:<34}{r['ppl']:>9.4f}{r['ppl'] / dense['ppl']:>9.4f}"
+              f"{(100 * frac if frac is not None else 100):>9.2f}  {ratios}")  # fmt: skip
+    for r in results["runs"]:
+        if "estimator" not in r:
+            continue
+        est = r["estimator"]
+        for scope in ("quest", "all"):
+            e = est[scope]
+            print(f"\n{r['label']}: kept mass with exact weights, candidates = {scope} (p = {est['p']}, "
+                  f"candidates hold {e['candidate_mass_of_total']:.4f} of the attention, "
+                  f"{e['mean_candidates']:.0f} tokens, exact minimal set {e['mean_minimal_tokens_exact']:.1f})")  # fmt: skip
+            for name in ("2bit", "4bit", "8bit", "exact"):
+                v = e[name]
+                print(f"  {name:<6} mean {v['mean_kept_mass_rel_candidates']:.4f}  p10 {v['p10_kept_mass_rel']:.4f}  "
+                      f"rows<p {100 * v['fraction_rows_below_p']:.1f}%  of total {v['mean_kept_mass_of_total']:.4f}  "
+                      f"tokens {v['mean_kept_tokens']:.1f}")  # fmt: skip
 
 
 if __name__ == "__main__":
