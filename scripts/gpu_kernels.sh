@@ -22,7 +22,7 @@ out = pathlib.Path(sys.argv[1])
 for f in sorted(out.glob("attention_*.json")):
     r = json.loads(f.read_text())
     st = {row["name"].split(" (")[0]: row["us"] for row in r["rows"]}
-    print(f"{f.stem}: " + " | ".join(f"{k} {v:.1f}us" for k, v in st.items()) + f" | x{r['speedup_vs_dense']:.1f} (atomic x{r['speedup_vs_dense_atomic_compaction']:.1f})")
+    print(f"{f.stem}: " + " | ".join(f"{k} {v:.1f}us" for k, v in st.items()) + f" | x{r['speedup_vs_dense']:.1f}")
 k = json.loads((out / "kernels_128k_b8.json").read_text())
 for row in k["rows"]:
     print(f"{row['name'][:44]:44s} {row['us']:9.1f} us {row['gbps']:7.0f} GB/s {row.get('pct_copy', 0):4.0f}%")

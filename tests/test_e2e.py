@@ -102,6 +102,22 @@ for n, k, sink, local, hi in [(300, 17, 0, 0, 512), (301, 40, 2, 3, 512), (129, 
     fast = _int_topk_core(scores.to(dev), step, (0, hi))
     assert fast.valid.all() and fast.indices.shape[-1] == k
     assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, k, sink, local, hi)
+
+# the fused Hamming select (scoring + forcing + ties + select in the kernels) == the CPU rule on the scores
+from sparsekv.kernels.hamming import hamming_scores_reference
+from sparsekv.selectors.base import _fused_hamming_core
+for n, k, sink, local, bits in [(300, 17, 0, 0, 128), (301, 40, 2, 3, 64), (1000, 20, 1, 0, 32), (60, 60, 0, 0, 32)]:
+    w = bits // 32
+    qc = torch.randint(-2**31, 2**31 - 1, (2, 8, 1, w), generator=g, dtype=torch.int32)
+    kc = torch.randint(-2**31, 2**31 - 1, (2, 2, n, w), generator=g, dtype=torch.int32)
+    kc[:, :, n // 2 :] = kc[:, :, : n - n // 2]  # repeated codes: many equal scores
+    visible = torch.ones(2, 1, n, dtype=torch.bool)
+    step = DecodeStep(torch.zeros(2, 8, 1, 16), torch.zeros(2, 2, n, 16), torch.zeros(2, 2, n, 16), visible,
+                      forced_tokens(visible, sink, local), torch.full((2, 1), k), layer, "group",
+                      StepHints(max_budget=k, uniform=True, sink=sink, local=local))
+    ref = hamming_topk(hamming_scores_reference(qc, kc, bits=bits), step)
+    fast = _fused_hamming_core(qc.to(dev), kc.to(dev), bits, step)
+    assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, k, sink, local, bits)
 print("OK")
 """
 

@@ -81,6 +81,33 @@ def test_hamming_topk_triton(impl, k):
 
 
 @here
+@pytest.mark.parametrize(
+    "n,k,recent,sink,local,bits,hq,hkv,tied",
+    [
+        (777, 37, True, 2, 3, 128, 8, 2, False),  # two-level candidate select, group of 4
+        (3000, 500, False, 0, 0, 128, 4, 1, True),  # most keys tie at one score
+        (1500, 1, True, 0, 1, 64, 3, 3, False),  # k = 1 taken by the forced local key
+        (2049, 100, True, 4, 16, 32, 2, 1, False),
+        (900, 33, True, 1, 2, 1024, 2, 1, False),  # range 2049 > 1024: the radix path, reversed afterwards
+    ],
+)
+def test_hamming_topk_exact_rule_triton(impl, n, k, recent, sink, local, bits, hq, hkv, tied):
+    """The fused select returns exactly the reference's set: score, then position (recent or not), forced keys."""
+    from sparsekv.kernels.hamming import hamming_topk_reference
+
+    gen = torch.Generator().manual_seed(n)
+    w = bits // 32
+    qc, kc = _codes((2, hq, 1, w), gen), _codes((2, hkv, n, w), gen)
+    if tied:
+        kc[:, :, 100:] = kc[:, :, :1]
+    got = impl["_hamming_triton"].hamming_topk_triton(
+        qc, kc, k, bits=bits, recent_first=recent, sink=sink, local=local
+    )
+    ref = hamming_topk_reference(qc.cpu(), kc.cpu(), k, bits=bits, recent_first=recent, sink=sink, local=local)
+    assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+
+
+@here
 @pytest.mark.parametrize("n,k,lo", [(301, 17, 0), (1234, 200, -50)])
 def test_select_topk_int_triton(impl, n, k, lo):
     gen = torch.Generator().manual_seed(n)
@@ -121,20 +148,21 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
 
 
 @here
-@pytest.mark.parametrize("mlp", [True, False])
-def test_sign_hash_triton(impl, mlp):
+@pytest.mark.parametrize("mlp,resid", [(True, False), (False, False), (True, True), (False, True)])
+def test_sign_hash_triton(impl, mlp, resid):
     from sparsekv.kernels.sign_hash import sign_hash_reference
 
     mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 6, 3, 32, generator=gen)
-    w1 = torch.randn(2, 32, 64, generator=gen)
+    w1 = torch.randn(2, 32, 64 if mlp else 128, generator=gen)
     w2 = torch.randn(2, 64, 128, generator=gen) if mlp else None
     b1 = torch.randn(2, 64, generator=gen) if mlp else None
-    ref = sign_hash_reference(
-        x.double(), w1.double(), None if w2 is None else w2.double(), None if b1 is None else b1.double()
-    )
-    out = mod.sign_hash_triton(*(t.to(DEV) if t is not None else None for t in (x, w1, w2, b1))).cpu()
+    wr = torch.randn(2, 32, 128, generator=gen) if resid and mlp else None  # Spotlight's linear branch
+    b2 = torch.randn(2, 128, generator=gen) if resid else None
+    args = (x, w1, w2, b1, wr, b2)
+    ref = sign_hash_reference(*(None if t is None else t.double() for t in args))
+    out = mod.sign_hash_triton(*(t.to(DEV) if t is not None else None for t in args)).cpu()
     # tf32 / reduced-precision dots can flip the sign of values near 0: allow a few flipped bits
     from sparsekv.kernels.bits import popcount32
 

@@ -203,3 +203,28 @@ def test_save_keeps_normalisation_in_float32(tmp_path):
     loaded = load_checkpoint(path).layers[2]
     assert torch.equal(loaded.key_mean, fn.key_mean)
     assert torch.allclose(loaded.w1, fn.w1.detach(), rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_folded_device_hash_equals_layer_hash(kind):
+    """The CUDA path hashes through one `sign_hash` kernel with the normalisation folded into the weights; the
+    folded weights give the LayerHash's codes (checked with the kernel's torch reference)."""
+    from sparsekv.kernels.sign_hash import sign_hash_reference
+
+    layer = LayerInfo(3, 30, 9, 3, 64, 0.125)
+    gen = torch.Generator().manual_seed(5)
+    config = SparseConfig(method="spotlight", options={"checkpoint": "none", "hash": kind})
+    selector = SpotlightSelector(config, layer, checkpoint="none", hash=kind)
+    fn = selector.hash_fn
+    with torch.no_grad():  # a trained-looking hash: non-zero residual MLP and a real normalisation
+        if kind == "mlp":
+            fn.w2.normal_(generator=gen)
+            fn.b1.normal_(generator=gen)
+        fn.set_normalisation(torch.randn(3, 64, generator=gen), torch.rand(3, generator=gen) + 0.5,
+                             torch.rand(3, generator=gen) + 0.5)  # fmt: skip
+    for role, heads in (("q", 9), ("k", 3)):
+        x = torch.randn(2, heads, 5, 64, generator=gen) * 3 + 1
+        expected = pack_sign_bits(fn(x.reshape(2, 3, heads // 3 * 5, 64), role)).reshape(2, heads, 5, -1)
+        got = sign_hash_reference(x, *selector._folded_weights(role, x.device))
+        flipped = sum((v & 0xFFFFFFFF).bit_count() for v in (got ^ expected).flatten().tolist())
+        assert flipped <= 2, flipped  # float rounding order only: signs of values within ~1e-6 of zero

@@ -17,11 +17,12 @@ def _budget_tokens(budget: float, context: int) -> int:
     return max(1, int(budget * context) if budget < 1 else int(budget))
 
 
-def _hash_query(q: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None, hkv: int) -> torch.Tensor:
-    """Spotlight-style query hash (per kv head MLP d->128->bits, sign) or linear LSH (w2 None): one kernel."""
+def _hash_query(q: torch.Tensor, hash_args: tuple) -> torch.Tensor:
+    """Spotlight's query hash as the selector runs it on CUDA (per kv head: sign(silu(q W1 + b1) W2 + q W),
+    float32 weights, one kernel), or linear LSH sign(q R)."""
     from sparsekv.kernels.sign_hash import sign_hash
 
-    return sign_hash(q, w1, w2)
+    return sign_hash(q, *hash_args)
 
 
 def run_attention(
@@ -57,24 +58,26 @@ def run_attention(
             -(2**31), 2**31 - 1, (batch, hkv, context, words), device=dev, dtype=torch.int32, generator=gen
         )
         q = torch.randn(batch, hq, 1, d, device=dev, dtype=dt, generator=gen)
-        hidden = 128  # Spotlight MLP width (d -> 128 -> bits); unused by linear LSH
-        w1 = (
-            torch.randn(
-                hkv, d, hidden if method == "spotlight" else bits, device=dev, dtype=dt, generator=gen
+        f32 = torch.float32
+        if method == "spotlight":  # MLP d -> d -> bits plus the linear branch d -> bits
+            hash_args = (
+                torch.randn(hkv, d, d, device=dev, dtype=f32, generator=gen) * d**-0.5,
+                torch.randn(hkv, d, bits, device=dev, dtype=f32, generator=gen) * d**-0.5,
+                torch.zeros(hkv, d, device=dev, dtype=f32),
+                torch.randn(hkv, d, bits, device=dev, dtype=f32, generator=gen),
             )
-            * d**-0.5
-        )
-        w2 = torch.randn(hkv, hidden, bits, device=dev, dtype=dt, generator=gen) * hidden**-0.5
-        data.append((q, keys, values, codes, w1, w2 if method == "spotlight" else None))
+        else:
+            hash_args = (torch.randn(hkv, d, bits, device=dev, dtype=f32, generator=gen),)
+        data.append((q, keys, values, codes, hash_args))
     scale = d**-0.5
     ones = torch.ones(batch, hkv, 1, k, dtype=torch.bool, device=dev)
     # stage inputs computed once, so each stage can be timed alone
-    states = [hamming_score_hist(_hash_query(q, w1, w2, hkv), c, bits=bits) for q, _, _, c, w1, w2 in data]
+    states = [hamming_score_hist(_hash_query(q, h), c, bits=bits) for q, _, _, c, h in data]
     idx = [hamming_select(st, k) for st in states]
 
     def score(i):
-        q, _, _, c, w1, w2 = data[i]
-        return hamming_score_hist(_hash_query(q, w1, w2, hkv), c, bits=bits)
+        q, _, _, c, h = data[i]
+        return hamming_score_hist(_hash_query(q, h), c, bits=bits)
 
     def select(i):
         return hamming_select(states[i], k)
@@ -84,8 +87,8 @@ def run_attention(
         return sparse_attention(q, kk, vv, idx[i], ones, scale)
 
     def total(i):
-        q, kk, vv, c, w1, w2 = data[i]
-        sel = hamming_select(hamming_score_hist(_hash_query(q, w1, w2, hkv), c, bits=bits), k)
+        q, kk, vv, c, h = data[i]
+        sel = hamming_select(hamming_score_hist(_hash_query(q, h), c, bits=bits, recent_first=True), k)
         return sparse_attention(q, kk, vv, sel, ones, scale)
 
     def dense(i):
@@ -130,13 +133,6 @@ def run_attention(
             code_bytes + 2 * score_bytes + rows_n * k * 8 + gather_bytes,
         )
     )
-    from sparsekv.kernels import _topk_triton
-
-    _topk_triton.COMPACT_MODE["mode"] = "atomic"
-    rows.append(
-        Row("  total, atomic-slot compaction", shape, graph_us(total, layers, use_graph), rows[3].bytes)
-    )
-    _topk_triton.COMPACT_MODE["mode"] = "scan"
     rows.append(Row("dense SDPA", shape, graph_us(dense, layers, use_graph), kv_bytes))
     copy = copy_bandwidth_gbps(dev)
     return {
@@ -151,6 +147,5 @@ def run_attention(
         "copy_gbps": copy,
         "attend_rel_err": rel_err,
         "speedup_vs_dense": rows[-1].us / rows[3].us,
-        "speedup_vs_dense_atomic_compaction": rows[-1].us / rows[4].us,
         "rows": [r.to_dict(copy) for r in rows],
     }

@@ -599,6 +599,18 @@ def device_suite(out_dir: str, plan: str = "full") -> list[dict]:
             del net
             _free(torch.device("cuda"))
         return results
+    if plan == "spotlight":  # the TPOT acceptance rows only, plus the GPU-vs-CPU greedy check
+        net = build_model("llama3-8b-random", layers=fit_layers(8, 131072))
+        e2e("spotlight_128k_b8", net, 131072, 8, "spotlight", profile=True)
+        del net
+        _free(torch.device("cuda"))
+        net = build_model("llama3-8b-random", layers=32)
+        e2e("spotlight_32k_b1", net, 32768, 1, "spotlight", profile=True)
+        e2e("spotlight_32k_b8", net, 32768, 8, "spotlight")
+        del net
+        _free(torch.device("cuda"))
+        attempt("greedy_match", greedy_match, new_tokens=12)
+        return results
     # 128K x B8: the layers that fit (one GPU cannot hold all 32 layers' cache, about 137 GB)
     net = build_model("llama3-8b-random", layers=fit_layers(8, 131072))
     e2e("spotlight_128k_b8", net, 131072, 8, "spotlight", profile=True)

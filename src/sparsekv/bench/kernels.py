@@ -58,73 +58,42 @@ def run_kernels(
         )
     )
     default = dict(ham.TUNE)
-    sweep = (
-        (512, 4, False, 4),
-        (512, 4, True, 8),
-        (512, 4, True, 16),
-        (512, 4, True, 32),
-        (1024, 4, True, 16),
-    )
-    for blk, nw, vec, pps in sweep:
-        ham.TUNE.update(block=blk, block_plain=blk, num_warps=nw, vec=vec, progs_per_sm=pps)
-        tag = f"block={blk} warps={nw} vec={vec} progs/SM={pps}"
-        out.append(Row(f"  score+hist {tag}", "sweep",
-                       graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
-                       code_bytes + rows_kv * n * 2))  # fmt: skip
-        out.append(Row(f"  scores int32 {tag}", "sweep",
-                       graph_us(lambda i: ham.hamming_scores_triton(qc[i], kc[i], bits=bits), L),
-                       code_bytes + rows_kv * n * 4))  # fmt: skip
     for pps in (8, 32):
         ham.TUNE.update(progs_per_sm=pps)
-        st_p = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
-        out.append(Row(f"  select after scorer with progs/SM={pps}", "sweep",
-                       graph_us(lambda i, st_p=st_p: ham.hamming_select(st_p[i], k), L), rows_kv * n * 2))  # fmt: skip
-        st_p = None
+        out.append(Row(f"  score+hist progs/SM={pps}", "sweep",
+                       graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
+                       code_bytes + rows_kv * n * 2))  # fmt: skip
     ham.TUNE.update(default)
     states = [ham.hamming_score_hist(qc[i], kc[i], bits=bits) for i in range(L)]
+    sel_bytes = rows_kv * n * 2 + rows_kv * k * 8
     out.append(
         Row(
-            "select from histogram (threshold+compact)",
+            "select from histogram (radix level 2 + compaction)",
             f"{rows_kv} rows x {n}, k={k}",
             graph_us(lambda i: ham.hamming_select(states[i], k), L),
-            rows_kv * n * 2 + rows_kv * k * 8,
+            sel_bytes,
         )
     )
+    recent = [
+        ham.hamming_score_hist(qc[i], kc[i], bits=bits, recent_first=True, sink=4, local=64) for i in range(L)
+    ]
+    out.append(Row("  select, recent-first ties + sink 4 + local 64", "sweep",
+                   graph_us(lambda i: ham.hamming_select(recent[i], k), L), sel_bytes))  # fmt: skip
+    recent = None
 
     def sub(i, stage):
-        sc, hist, nc, bpc, blk, levels, nbits = states[i]
-        flat = sc.view(-1, sc.shape[-1])
-        kw = {
-            "lo": 0,
-            "levels": levels,
-            "nbits": nbits,
-            "is_float": False,
-            "block": blk,
-            "num_chunks": nc,
-            "bpc": bpc,
-        }
+        st = states[i]
+        flat = st.scores.view(-1, st.scores.shape[-1])
+        kw = {"lo": 0, "levels": st.levels, "nbits": st.nbits, "is_float": False, "block": st.block,
+              "num_chunks": st.num_chunks, "bpc": st.bpc}  # fmt: skip
         if stage == "levels":
-            return tk.radix_levels(flat, k, hist=hist, first_done=True, **kw)
-        return tk.radix_compact(flat, k, hist, **kw)
+            return tk.radix_levels(flat, k, hist=st.hist, first_done=True, **kw)
+        return tk.radix_compact(flat, k, st.hist, **kw)
 
     for stage in ("levels", "compact"):
         out.append(Row(f"  select stage: {stage}", "sweep", graph_us(lambda i, st=stage: sub(i, st), L),
                        rows_kv * n * 2))  # fmt: skip
-    tk.COMPACT_MODE["mode"] = "scan_nobranch"
-    out.append(Row("  select stage: compact, no branch", "sweep", graph_us(lambda i: sub(i, "compact"), L),
-                   rows_kv * n * 2))  # fmt: skip
-    tk.COMPACT_MODE["mode"] = "atomic"
-    out.append(Row("  select stage: compact, atomic slots", "sweep", graph_us(lambda i: sub(i, "compact"), L),
-                   rows_kv * n * 2))  # fmt: skip
-    out.append(Row("  select from histogram, atomic slots", "sweep",
-                   graph_us(lambda i: ham.hamming_select(states[i], k), L), rows_kv * n * 2 + rows_kv * k * 8))  # fmt: skip
-    tk.COMPACT_MODE["mode"] = "scan"
-    tk.HIST_MODE["mode"] = "onehot"
-    out.append(Row("  score+histogram with one-hot histogram", "sweep",
-                   graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),
-                   code_bytes + rows_kv * n * 2))  # fmt: skip
-    tk.HIST_MODE["mode"] = "atomic"
-    int_scores = [st[0] for st in states]  # int16 [B, Hkv, 1, N]
+    int_scores = [st.scores for st in states]  # int16 [B, Hkv, 1, N]
     out.append(
         Row(
             "select_topk int (hist+threshold+compact)",

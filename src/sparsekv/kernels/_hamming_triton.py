@@ -4,6 +4,8 @@ plus per-chunk histograms, the first pass of the sort-free top-k (`hamming_topk`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -14,8 +16,12 @@ from sparsekv.kernels._topk_triton import (
     chunking,
     digit_histogram,
     int_levels,
+    level_digit,
     max_chunks,
+    packed_add,
+    packed_counts,
     radix_topk,
+    use_packed,
 )
 from sparsekv.kernels._triton import next_pow2
 
@@ -44,6 +50,9 @@ def _hamming_kernel(
     sob,
     soh,
     soq,
+    sink,
+    local,
+    forced_score,
     G: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
@@ -55,6 +64,8 @@ def _hamming_kernel(
     ONEHOT: tl.constexpr,
     VEC: tl.constexpr,
     USE_POPC: tl.constexpr,
+    REVERSE: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -70,14 +81,19 @@ def _hamming_kernel(
     o_base = out_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + qi.to(tl.int64) * soq
     if HIST:
         h = tl.zeros([1 << NBITS], dtype=tl.int32)
+        if PACKED:
+            acc = tl.zeros([BLOCK, 8], dtype=tl.int32)
     for i in range(blocks_per_chunk):
         offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
         nmask = offs < N
+        # REVERSE: scores are stored newest key first, so that the selection's ties-to-the-lowest-position
+        # rule keeps the most recent keys
+        tok = (N - 1 - offs) if REVERSE else offs
         if VEC:
             # W (constexpr) between tokens, unit stride between a token's words: one 16-byte load per token
-            kptrs = k_base + offs[:, None].to(tl.int64) * W + w[None, :]
+            kptrs = k_base + tok[:, None].to(tl.int64) * W + w[None, :]
         else:
-            kptrs = k_base + offs[:, None].to(tl.int64) * skn + w[None, :]
+            kptrs = k_base + tok[:, None].to(tl.int64) * skn + w[None, :]
         kc = tl.load(kptrs, mask=nmask[:, None] & wmask[None, :], other=0)
         diff = tl.zeros([BLOCK, WP], dtype=tl.int32)
         for hh in tl.static_range(G):
@@ -87,16 +103,28 @@ def _hamming_kernel(
                 x = x & word_mask[None, :]
             diff += popcount_tl(x, USE_POPC)
         score = G * bits - tl.sum(diff, axis=1)
+        # sink / local keys always make the cut: they score above every real key
+        score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
         tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
         if HIST:
-            h += digit_histogram(
-                score.to(tl.uint32, bitcast=True), nmask, 0, NBITS * (LEVELS - 1), NBITS, True, ONEHOT
-            )
+            if PACKED:
+                digit, ok = level_digit(
+                    score.to(tl.uint32, bitcast=True), nmask, 0, NBITS * (LEVELS - 1), NBITS, True
+                )
+                acc = packed_add(acc, digit, ok)
+            else:
+                h += digit_histogram(
+                    score.to(tl.uint32, bitcast=True), nmask, 0, NBITS * (LEVELS - 1), NBITS, True, ONEHOT
+                )
     if HIST:
+        if PACKED:
+            h = packed_counts(acc)
         tl.store(hist_ptr + (r.to(tl.int64) * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
-def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
+def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0):
+    """radix=(levels, nbits): also write the level-0 radix histograms. Forced (sink/local) keys score
+    bits * g + 1; `reverse` stores the scores newest key first."""
     b, hq, q, w = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     g = hq // hkv
@@ -132,6 +160,9 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
         *query_codes.stride()[:3],
         *key_codes.stride()[:3],
         *out.stride()[:3],
+        sink,
+        local,
+        g * bits + 1,
         G=g,
         W=w,
         WP=next_pow2(w),
@@ -143,6 +174,8 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None):
         VEC=TUNE["vec"],
         ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
+        REVERSE=reverse,
+        PACKED=radix is not None and use_packed(nbits, bpc, scorer=True),
         num_warps=TUNE["num_warps"],
     )
     return out, hist, num_chunks, bpc, block
@@ -156,39 +189,68 @@ def hamming_scores_triton(query_codes: torch.Tensor, key_codes: torch.Tensor, *,
 
 
 def hamming_topk_triton(
-    query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    *,
+    bits: int,
+    recent_first: bool = False,
+    sink: int = 0,
+    local: int = 0,
 ) -> torch.Tensor:
     """Fused scoring + histogram, then threshold + compaction: [B, Hkv, Q, k] int64 (unordered)."""
-    return hamming_select(hamming_score_hist(query_codes, key_codes, bits=bits), k)
+    state = hamming_score_hist(
+        query_codes, key_codes, bits=bits, recent_first=recent_first, sink=sink, local=local
+    )
+    return hamming_select(state, k)
 
 
-def hamming_score_hist(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int):
-    """Stage 1 of hamming_topk (exposed for stage timings): int16 scores + level-0 radix histograms."""
+@dataclass
+class ScoreState:
+    """What the scoring pass hands to the selection: int16/int32 scores [B, Hkv, Q, N] (newest key first when
+    `reverse`) and the level-0 radix histograms."""
+
+    scores: torch.Tensor
+    hist: torch.Tensor
+    num_chunks: int
+    bpc: int
+    block: int
+    levels: int
+    nbits: int
+    reverse: bool
+
+
+def hamming_score_hist(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    *,
+    bits: int,
+    recent_first: bool = False,
+    sink: int = 0,
+    local: int = 0,
+) -> ScoreState:
+    """Stage 1 of hamming_topk (exposed for stage timings): scores + level-0 histograms.
+
+    recent_first: equal scores go to the more recent key (the selectors' rule); sink/local: the first `sink` and
+    last `local` keys are always selected (they must fit in k)."""
     from sparsekv.kernels.hamming import _check
 
     _, g = _check(query_codes, key_codes)
-    max_score = g * bits
-    levels, nbits = int_levels(max_score + 1)
-    dtype = torch.int16 if max_score < 2**15 else torch.int32
-    scores, hist, num_chunks, bpc, block = _launch(query_codes, key_codes, bits, dtype, radix=(levels, nbits))
-    return scores, hist, num_chunks, bpc, block, levels, nbits
-
-
-def hamming_select(state, k: int) -> torch.Tensor:
-    """Stage 2 of hamming_topk: remaining radix levels + compaction from `hamming_score_hist`'s state."""
-    scores, hist, num_chunks, bpc, block, levels, nbits = state
-    flat = scores.view(-1, scores.shape[-1])
-    out = radix_topk(
-        flat,
-        k,
-        lo=0,
-        levels=levels,
-        nbits=nbits,
-        is_float=False,
-        block=block,
-        num_chunks=num_chunks,
-        bpc=bpc,
-        hist=hist,
-        first_done=True,
+    top = g * bits + (1 if sink or local else 0)
+    levels, nbits = int_levels(top + 1)
+    dtype = torch.int16 if top < 2**15 else torch.int32
+    scores, hist, num_chunks, bpc, block = _launch(
+        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=recent_first, sink=sink, local=local
     )
+    return ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, recent_first)
+
+
+def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
+    """Stage 2 of hamming_topk: remaining radix levels + compaction from `hamming_score_hist`'s state."""
+    scores = state.scores
+    out = radix_topk(
+        scores.view(-1, scores.shape[-1]), k, lo=0, levels=state.levels, nbits=state.nbits, is_float=False,
+        block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist, first_done=True,
+        reverse=state.reverse,
+    )  # fmt: skip
     return out.view(*scores.shape[:-1], k)

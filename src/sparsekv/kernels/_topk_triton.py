@@ -61,10 +61,16 @@ def derive_threshold(
     return prefix, k_rem, gt_chunk, eq_chunk
 
 
-# how level histograms are built: "onehot" (compare with every bin, reduce over the block: ~2 ops per element
-# and bin, no atomics) or "atomic" (tl.histogram: shared-memory atomics, slow under the heavy contention of
-# concentrated scores). The kernel benchmark sweeps this.
-HIST_MODE = {"mode": "atomic"}
+# how level histograms are built (the kernel benchmark and scripts/gpu_probe.py sweep this):
+# - "packed": the scorer's level-0 histogram keeps per-lane byte counters, 4 bins per int32, in a [BLOCK, 8]
+#   register tile (about 25 instructions per key), reduced across lanes once per program; later levels use
+#   tl.histogram. tl.histogram costs about 4 warp instructions per key at 32 bins, which made the scorer
+#   instruction-bound: 76 -> 62 us at 128K x B8 on the H200. In the level-2 pass the packed counters measured
+#   slower (100 vs 62 us for the whole select), hence the split.
+# - "packed_all": packed counters in every pass; "atomic": tl.histogram everywhere; "onehot": compare with
+#   every bin and reduce the [BLOCK, bins] tile each time.
+HIST_MODE = {"mode": "packed"}
+PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles per program
 # compaction slots: "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one
 # counter per row; a block scan only in the chunk that straddles the equal-key quota; measured 3x slower) or
 # "scan_nobranch" (scan every tile, no data-dependent branch in the loop)
@@ -99,6 +105,30 @@ def digit_histogram(
 
 
 @triton.jit
+def level_digit(key, nmask, prefix, SHIFT: tl.constexpr, NBITS: tl.constexpr, FIRST: tl.constexpr):
+    """(digit (key >> SHIFT) of NBITS bits, whether the key counts: valid, and its higher bits equal `prefix`)."""
+    digit = ((key >> SHIFT) & ((1 << NBITS) - 1)).to(tl.int32)
+    ok = nmask
+    if not FIRST:
+        ok = ok & ((key >> (SHIFT + NBITS)) == prefix.to(tl.uint32))
+    return digit, ok
+
+
+@triton.jit
+def packed_add(acc, digit, ok):
+    """acc [BLOCK, 8] int32: byte j of column r counts this lane's keys with digit 4r + j (digits < 32)."""
+    byte = tl.where(ok, 1 << ((digit & 3) * 8), 0)
+    return acc + tl.where((digit >> 2)[:, None] == tl.arange(0, 8)[None, :], byte[:, None], 0)
+
+
+@triton.jit
+def packed_counts(acc):
+    """The 32-bin histogram held by packed_add's byte counters."""
+    unpacked = (acc[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
+    return tl.reshape(tl.sum(unpacked, axis=0), [32])
+
+
+@triton.jit
 def _hist_kernel(
     src_ptr,
     hist_ptr,
@@ -116,6 +146,7 @@ def _hist_kernel(
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
     ONEHOT: tl.constexpr,
+    PACKED: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -125,6 +156,8 @@ def _hist_kernel(
         prefix = tl.zeros([], dtype=tl.int32)
     SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
+    if PACKED:
+        acc = tl.zeros([BLOCK, 8], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time
     for i in range(0, blocks_per_chunk, BLOCK):
@@ -132,17 +165,23 @@ def _hist_kernel(
         offs = c * blocks_per_chunk + loc
         nmask = (offs < N) & (loc < blocks_per_chunk)
         s = tl.load(row_ptr + offs, mask=nmask, other=0)
-        h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
+        if PACKED:
+            digit, ok = level_digit(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
+            acc = packed_add(acc, digit, ok)
+        else:
+            h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
+    if PACKED:
+        h = packed_counts(acc)
     out = hist_ptr + ((LEVEL * num_rows + r) * num_chunks + c) * (1 << NBITS)
     tl.store(out + tl.arange(0, 1 << NBITS), h)
 
 
 @triton.jit
-def _scan_store(packed, total, m_gt, m_eq, offs, out_row, base_gt, base_eq, cnt_gt, need_eq):
+def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_gt, need_eq):
     cs = tl.cumsum(packed, axis=0)
-    tl.store(out_row + base_gt + (cs & 0xFFFF) - 1, offs.to(tl.int64), mask=m_gt)
+    tl.store(out_row + base_gt + (cs & 0xFFFF) - 1, pos, mask=m_gt)
     rank = base_eq + (cs >> 16) - 1
-    tl.store(out_row + cnt_gt + rank, offs.to(tl.int64), mask=m_eq & (rank < need_eq))
+    tl.store(out_row + cnt_gt + rank, pos, mask=m_eq & (rank < need_eq))
     return base_gt + (total & 0xFFFF), base_eq + (total >> 16)
 
 
@@ -166,6 +205,7 @@ def _compact_kernel(
     BLOCK: tl.constexpr,
     ATOMIC: tl.constexpr,
     BRANCH: tl.constexpr,
+    REVERSE: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -193,6 +233,8 @@ def _compact_kernel(
         key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
+        # REVERSE: the scores were stored newest key first; report the keys' own positions
+        pos = ((N - 1 - offs) if REVERSE else offs).to(tl.int64)
         if ATOMIC:
             if boundary:
                 rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
@@ -201,7 +243,7 @@ def _compact_kernel(
             else:
                 sel = m_gt | (m_eq & (take_all + tl.zeros_like(offs) != 0))
             slot = tl.atomic_add(cnt_ptr + r + tl.zeros_like(offs), 1, mask=sel)
-            tl.store(out_row + slot, offs.to(tl.int64), mask=sel)
+            tl.store(out_row + slot, pos, mask=sel)
         else:
             m_eq = m_eq & (
                 (base_eq + tl.zeros_like(offs)) < need_eq
@@ -211,10 +253,10 @@ def _compact_kernel(
             total = tl.sum(packed, axis=0)
             if BRANCH:  # skip the scan of tiles without a selected key
                 if total != 0:
-                    base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, offs, out_row, base_gt, base_eq,
+                    base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
                                                    cnt_gt, need_eq)  # fmt: skip
             else:  # no data-dependent branch: lets the compiler pipeline the tile loads
-                base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, offs, out_row, base_gt, base_eq,
+                base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
                                                cnt_gt, need_eq)  # fmt: skip
 
 
@@ -247,6 +289,11 @@ def _sblock(chunk_len: int) -> int:
     return min(512, triton.next_power_of_2(chunk_len))
 
 
+def use_packed(nbits: int, tiles_per_program: int, scorer: bool = False) -> bool:
+    modes = ("packed", "packed_all") if scorer else ("packed_all",)
+    return HIST_MODE["mode"] in modes and nbits == 5 and tiles_per_program <= PACKED_MAX_TILES
+
+
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False):
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
     Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the same split as the histograms."""
@@ -259,13 +306,15 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
         _hist_kernel[(num_chunks, rows)](
             src, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
-            BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6, num_warps=4,
+            BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
+            PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), num_warps=4,
         )  # fmt: skip
     return hist
 
 
-def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc):
-    """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic."""
+def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False):
+    """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
+    (`reverse`: src holds the keys newest first, and N - 1 - position comes out)."""
     rows, n = src.shape
     chunk_len = bpc * block
     sb = _sblock(chunk_len)
@@ -276,12 +325,14 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, cnt, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
-        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", num_warps=4,
+        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, num_warps=4,
     )  # fmt: skip
     return out
 
 
-def radix_topk(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False):
+def radix_topk(
+    src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, reverse=False
+):
     """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64."""
     kw = {
         "lo": lo,
@@ -293,7 +344,7 @@ def radix_topk(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, h
         "bpc": bpc,
     }
     hist = radix_levels(src, k, hist=hist, first_done=first_done, **kw)
-    return radix_compact(src, k, hist, **kw)
+    return radix_compact(src, k, hist, reverse=reverse, **kw)
 
 
 def _rows(scores: torch.Tensor) -> torch.Tensor:

@@ -87,22 +87,53 @@ def hamming_scores(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: 
 
 
 def hamming_topk_reference(
-    query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    *,
+    bits: int,
+    recent_first: bool = False,
+    sink: int = 0,
+    local: int = 0,
 ) -> torch.Tensor:
-    from sparsekv.kernels.topk import select_topk_reference
+    """The exact rule of `hamming_topk`: the k keys of highest score, equal scores to the lower position (the
+    higher one with `recent_first`), the first `sink` and last `local` keys always in."""
+    scores = hamming_scores_reference(query_codes, key_codes, bits=bits).to(torch.int64)
+    n = scores.shape[-1]
+    k = min(int(k), n)
+    position = torch.arange(n, device=scores.device)
+    forced = (position < sink) | (position >= n - local)
+    scores = torch.where(forced, scores.new_tensor(bits * 1_000_000), scores)  # above any group sum
+    tie = position if recent_first else (n - 1) - position
+    return torch.topk(scores * (n + 1) + tie, k, dim=-1, sorted=False).indices
 
-    return select_topk_reference(hamming_scores_reference(query_codes, key_codes, bits=bits), k)
 
-
-def hamming_topk(query_codes: torch.Tensor, key_codes: torch.Tensor, k: int, *, bits: int) -> torch.Tensor:
+def hamming_topk(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    *,
+    bits: int,
+    recent_first: bool = False,
+    sink: int = 0,
+    local: int = 0,
+) -> torch.Tensor:
     """Indices [B, Hkv, Q, min(k, N)] int64 (unordered) of the k keys with the most matching bits per kv head.
 
-    On CUDA scoring and the histogram pass are one kernel (int16 scores), then threshold + compaction: no sort.
+    Equal scores go to the lower position (`recent_first`: the higher one); the first `sink` and the last `local`
+    keys are always in (sink + local <= k). On CUDA scoring and the histogram pass are one kernel (int16 scores),
+    then threshold + compaction: no sort.
     """
     from sparsekv.kernels._triton import use_triton
 
+    if sink < 0 or local < 0 or sink + local > k:
+        raise ValueError(f"sink ({sink}) + local ({local}) must be non-negative and fit in k ({k})")
     if use_triton(query_codes, key_codes) and 0 < k < key_codes.shape[2]:
         from sparsekv.kernels._hamming_triton import hamming_topk_triton
 
-        return hamming_topk_triton(query_codes, key_codes, int(k), bits=bits)
-    return hamming_topk_reference(query_codes, key_codes, k, bits=bits)
+        return hamming_topk_triton(
+            query_codes, key_codes, int(k), bits=bits, recent_first=recent_first, sink=sink, local=local
+        )
+    return hamming_topk_reference(
+        query_codes, key_codes, k, bits=bits, recent_first=recent_first, sink=sink, local=local
+    )

@@ -14,6 +14,7 @@ causality, padding and the GQA policy. A method with another selection rule (top
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -216,6 +217,45 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
     )
 
 
+def fused_hamming_selection(
+    query_codes: Callable[[], torch.Tensor], key_codes: torch.Tensor, bits: int, step: DecodeStep
+) -> Selection | None:
+    """Device fast path of a Hamming top-k on a uniform step with group-summed GQA: scoring, sink/local forcing,
+    ties to the more recent key and the sort-free select in the fused kernels (no score tensor round trips, no
+    host sync). The chosen set is the CPU rule's. None where it does not apply (the caller runs its own rule);
+    `query_codes` is called only when it does."""
+    from sparsekv.kernels._triton import use_triton
+
+    if key_codes.device.type == "cpu" or not step.uniform or not use_triton(key_codes):
+        return None
+    if step.gqa != "group" and step.layer.group_size > 1:
+        return None
+    return _fused_hamming_core(query_codes(), key_codes, bits, step)
+
+
+def _fused_hamming_core(query_codes, key_codes, bits: int, step: DecodeStep) -> Selection:
+    """`fused_hamming_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
+    from sparsekv.kernels._hamming_triton import hamming_topk_triton
+
+    hints = step.hints
+    b, _, q, _ = query_codes.shape
+    n = key_codes.shape[2]
+    if hints.max_budget >= n:
+        return _all_keys((b, key_codes.shape[1], q), n, key_codes.device)
+    indices = hamming_topk_triton(
+        query_codes,
+        key_codes,
+        hints.max_budget,
+        bits=bits,
+        recent_first=True,
+        sink=hints.sink,
+        local=hints.local,
+    )
+    return Selection(
+        indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
+    )
+
+
 @dataclass
 class TokenSelector:
     """Base class of every method. Subclasses are dataclasses; their extra fields are the method's options."""
@@ -250,7 +290,11 @@ class TokenSelector:
         """Raises ConfigError for configs this method cannot run (called when the config is built)."""
 
     def prefill(
-        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
     ) -> None:
         """Builds the state from the prompt's keys/values (and queries, for methods that look at attention).
 

@@ -17,7 +17,14 @@ import torch
 from sparsekv.config import ConfigError
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads, topk_selection
+from sparsekv.selectors.base import (
+    DecodeStep,
+    Selection,
+    TokenSelector,
+    fused_hamming_selection,
+    to_selection_heads,
+    topk_selection,
+)
 
 LSH_VARIANTS = ("simhash", "rotation")
 MAX_BITS = 4096
@@ -135,7 +142,11 @@ class LSHSelector(TokenSelector):
         self.key_codes = CodeBuffer()
 
     def prefill(
-        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
     ) -> None:
         # hashing waits for the first decode step: the centring mean must skip left-padding, and only
         # `step.visible` says which prompt positions are padding
@@ -162,4 +173,7 @@ class LSHSelector(TokenSelector):
 
     def select(self, step: DecodeStep) -> Selection:
         self._sync(step)
-        return code_selection(hash_codes(step.query, self.projection), self.key_codes.view(), self.bits, step)
+        query_codes = lambda: hash_codes(step.query, self.projection)
+        if (fast := fused_hamming_selection(query_codes, self.key_codes.view(), self.bits, step)) is not None:
+            return fast
+        return code_selection(query_codes(), self.key_codes.view(), self.bits, step)

@@ -44,7 +44,14 @@ from torch import nn
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
-from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection, TokenSelector, int_topk_selection
+from sparsekv.selectors.base import (
+    DecodeStep,
+    LayerInfo,
+    Selection,
+    TokenSelector,
+    fused_hamming_selection,
+    int_topk_selection,
+)
 
 HASH_KINDS = ("mlp", "linear")
 DEFAULT_BITS = 128
@@ -67,8 +74,15 @@ class LayerHash(nn.Module):
     ("q" or "k") picks the normalisation. Query heads are mapped to their kv head by the caller.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, bits: int = DEFAULT_BITS, kind: str = "mlp",
-                 hidden: int | None = None, generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        bits: int = DEFAULT_BITS,
+        kind: str = "mlp",
+        hidden: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
         super().__init__()
         if kind not in HASH_KINDS:
             raise ConfigError(f"hash must be one of {', '.join(HASH_KINDS)}, got {kind!r}")
@@ -89,7 +103,9 @@ class LayerHash(nn.Module):
         self.register_buffer("key_scale", torch.ones(h))
         self.register_buffer("query_scale", torch.ones(h))
 
-    def set_normalisation(self, key_mean: torch.Tensor, key_scale: torch.Tensor, query_scale: torch.Tensor) -> None:
+    def set_normalisation(
+        self, key_mean: torch.Tensor, key_scale: torch.Tensor, query_scale: torch.Tensor
+    ) -> None:
         self.key_mean.copy_(key_mean)
         self.key_scale.copy_(key_scale)
         self.query_scale.copy_(query_scale)
@@ -149,8 +165,14 @@ class HashCheckpoint:
         return self.path or "spotlight checkpoint"
 
 
-def save_checkpoint(path: str | Path, layers: dict[int, LayerHash], fingerprint: dict, training: dict,
-                    metrics: dict | None = None, dtype: torch.dtype = torch.float16) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    layers: dict[int, LayerHash],
+    fingerprint: dict,
+    training: dict,
+    metrics: dict | None = None,
+    dtype: torch.dtype = torch.float16,
+) -> Path:
     """Writes a spotlight checkpoint (weights stored in `dtype`, normalisation in float32)."""
     from safetensors.torch import save_file
 
@@ -195,7 +217,9 @@ def read_header(path: str | Path) -> dict:
     try:
         header = json.loads(meta[METADATA_KEY])
     except (KeyError, json.JSONDecodeError):
-        raise ConfigError(f"{str(path)!r} is not a spotlight checkpoint (no '{METADATA_KEY}' header)") from None
+        raise ConfigError(
+            f"{str(path)!r} is not a spotlight checkpoint (no '{METADATA_KEY}' header)"
+        ) from None
     if header.get("format") != FORMAT or header.get("version") != FORMAT_VERSION:
         raise ConfigError(
             f"{str(path)!r} has format {header.get('format')!r} v{header.get('version')}, "
@@ -221,9 +245,11 @@ def load_checkpoint(path: str | Path) -> HashCheckpoint:
     fp = header["fingerprint"]
     layers = {}
     for idx in header["layers"]:
-        layer_hash = LayerHash(fp["num_kv_heads"], fp["head_dim"], header["bits"], header["hash"], header["hidden"])
+        layer_hash = LayerHash(
+            fp["num_kv_heads"], fp["head_dim"], header["bits"], header["hash"], header["hidden"]
+        )
         prefix = f"layers.{idx}."
-        state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
         layer_hash.load_state_dict(state)
         layer_hash.requires_grad_(False)
         layers[int(idx)] = layer_hash
@@ -235,16 +261,26 @@ SHAPE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
 def shape_mismatch(fingerprint: dict, layer: LayerInfo) -> str | None:
-    actual = {"num_layers": layer.num_layers, "num_heads": layer.num_heads,
-              "num_kv_heads": layer.num_kv_heads, "head_dim": layer.head_dim}
-    diff = [f"{k}: file {fingerprint.get(k)!r} vs model {v!r}" for k, v in actual.items() if fingerprint.get(k) != v]
+    actual = {
+        "num_layers": layer.num_layers,
+        "num_heads": layer.num_heads,
+        "num_kv_heads": layer.num_kv_heads,
+        "head_dim": layer.head_dim,
+    }
+    diff = [
+        f"{k}: file {fingerprint.get(k)!r} vs model {v!r}"
+        for k, v in actual.items()
+        if fingerprint.get(k) != v
+    ]
     return ", ".join(diff) or None
 
 
 def untrained_hash(layer: LayerInfo, bits: int, kind: str, seed: int) -> LayerHash:
     """The deterministic untrained hash of a layer (seeded per layer)."""
     generator = torch.Generator().manual_seed(seed * 100_003 + layer.layer_idx)
-    return LayerHash(layer.num_kv_heads, layer.head_dim, bits, kind, generator=generator).requires_grad_(False)
+    return LayerHash(layer.num_kv_heads, layer.head_dim, bits, kind, generator=generator).requires_grad_(
+        False
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -290,9 +326,13 @@ class SpotlightSelector(TokenSelector):
     @staticmethod
     def _check_header_options(header: dict, bits, kind, where: str) -> None:
         if bits is not None and bits != header["bits"]:
-            raise ConfigError(f"spotlight bits={bits} but checkpoint {where!r} has {header['bits']}-bit codes")
+            raise ConfigError(
+                f"spotlight bits={bits} but checkpoint {where!r} has {header['bits']}-bit codes"
+            )
         if kind is not None and kind != header["hash"]:
-            raise ConfigError(f"spotlight hash={kind!r} but checkpoint {where!r} holds a {header['hash']!r} hash")
+            raise ConfigError(
+                f"spotlight hash={kind!r} but checkpoint {where!r} holds a {header['hash']!r} hash"
+            )
 
     @classmethod
     def check_model(cls, model, config: SparseConfig) -> None:
@@ -304,14 +344,21 @@ class SpotlightSelector(TokenSelector):
             check_fingerprint(read_header(ckpt)["fingerprint"], model, f"spotlight checkpoint {ckpt!r}")
 
     def __post_init__(self) -> None:
-        self.hash_fn = copy.deepcopy(resolve_hash(self.layer, self.checkpoint, self.bits, self.hash, self.seed))
+        self.hash_fn = copy.deepcopy(
+            resolve_hash(self.layer, self.checkpoint, self.bits, self.hash, self.seed)
+        )
         self.code_bits = self.hash_fn.bits
         self._codes: torch.Tensor | None = None
         self._length = 0
+        self._folded: dict = {}
 
     # state ---------------------------------------------------------------------------------------------------
     def _hash(self, x: torch.Tensor, role: str) -> torch.Tensor:
         """x [B, H, T, d] (H = kv heads, or query heads for role 'q') -> packed codes [B, H, T, W]."""
+        if x.is_cuda and x.dtype != torch.float64 and (folded := self._folded_weights(role, x.device)):
+            from sparsekv.kernels.sign_hash import sign_hash
+
+            return sign_hash(x, *folded)  # one kernel: normalise, MLP + linear branch, sign, pack
         fn = self.hash_fn
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if fn.key_mean.device != x.device or fn.key_mean.dtype != dtype:
@@ -322,8 +369,41 @@ class SpotlightSelector(TokenSelector):
             out = fn(x.reshape(b, self.layer.num_kv_heads, group * t, d), role)
         return pack_sign_bits(out).reshape(b, h, t, -1)
 
+    def _folded_weights(self, role: str, device: torch.device) -> tuple | None:
+        """The hash with its normalisation folded into the weights, as `sign_hash` arguments (float32 on
+        `device`): (x - m) / s through W1, b1, W2, W becomes x through W1 / s, b1 - (m / s) W1, W2, W / s plus the
+        output bias -(m / s) W. None where the fused kernel's tile constraints do not hold."""
+        key = (role, device)
+        if key not in self._folded:
+            fn = self.hash_fn
+            dims = (fn.head_dim, fn.hidden or fn.bits, fn.bits)
+            if not all(n >= 16 and n & (n - 1) == 0 for n in dims):
+                self._folded[key] = None
+                return None
+            with torch.no_grad():
+                scale = (fn.key_scale if role == "k" else fn.query_scale).float().cpu()
+                mean = (
+                    fn.key_mean.float().cpu() if role == "k" else torch.zeros_like(fn.key_mean.float().cpu())
+                )
+                shift = mean / scale[:, None]  # [H, d]
+                w = fn.w.float().cpu() / scale[:, None, None]
+                out_bias = -torch.einsum("hd,hdb->hb", shift, fn.w.float().cpu())
+                b2 = out_bias if role == "k" else None
+                if fn.kind == "linear":
+                    args = (w, None, None, None, b2)
+                else:
+                    w1 = fn.w1.float().cpu() / scale[:, None, None]
+                    b1 = fn.b1.float().cpu() - torch.einsum("hd,hde->he", shift, fn.w1.float().cpu())
+                    args = (w1, fn.w2.float().cpu(), b1, w, b2)
+            self._folded[key] = tuple(None if t is None else t.to(device).contiguous() for t in args)
+        return self._folded[key]
+
     def prefill(
-        self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
     ) -> None:
         self._codes, self._length = None, 0
         self.append(keys, values)
@@ -332,8 +412,13 @@ class SpotlightSelector(TokenSelector):
         codes = self._hash(keys, "k")  # [B, Hkv, T, W]
         needed = self._length + codes.shape[-2]
         if self._codes is None or needed > self._codes.shape[-2]:
-            grown = torch.empty(*codes.shape[:-2], max(needed, 2 * self._length), codes.shape[-1],
-                                dtype=codes.dtype, device=codes.device)
+            grown = torch.empty(
+                *codes.shape[:-2],
+                max(needed, 2 * self._length),
+                codes.shape[-1],
+                dtype=codes.dtype,
+                device=codes.device,
+            )
             if self._codes is not None:
                 grown[..., : self._length, :] = self._codes[..., : self._length, :]
             self._codes = grown
@@ -354,11 +439,17 @@ class SpotlightSelector(TokenSelector):
         return hamming_scores(query_codes, keys, bits=self.code_bits)
 
     def select(self, step: DecodeStep) -> Selection:
+        keys = self.key_codes[..., : step.keys.shape[-2], :]
+        query_codes = lambda: self._hash(step.query, "q")  # hashed only when the fast path runs
+        if (fast := fused_hamming_selection(query_codes, keys, self.code_bits, step)) is not None:
+            return fast
         group = self.layer.group_size if step.gqa == "group" else 1
         return hamming_topk(self.score(step), step, value_range=(0, group * self.code_bits))
 
 
-def hamming_topk(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int] | None = None) -> Selection:
+def hamming_topk(
+    scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int] | None = None
+) -> Selection:
     """Top-budget keys per row by integer score, ties to the more recent key, forced tokens first.
 
     Ranks on one int64 key per token (score above, position below), so every key is distinct and the chosen
@@ -379,7 +470,9 @@ def hamming_topk(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int,
     return Selection(indices=indices, valid=valid)
 
 
-def resolve_hash(layer: LayerInfo, checkpoint: str, bits: int | None, kind: str | None, seed: int) -> LayerHash:
+def resolve_hash(
+    layer: LayerInfo, checkpoint: str, bits: int | None, kind: str | None, seed: int
+) -> LayerHash:
     """The LayerHash a selector of `layer` uses for the given options (see the module docstring)."""
     if checkpoint == "none":
         return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
