@@ -14,6 +14,12 @@ Parts (all on by default; --skip-niah / --skip-prefill / --scan):
            in a background thread (torch CPU allocations are invisible to tracemalloc; RSS sees them; a fresh
            process per method keeps one method's freed-but-retained heap from hiding the other's peak).
   scan     the per-layer needle probe of `sparsekv gemfilter-scan` (off by default).
+
+The out-of-sample NIAH protocol (--heldout dev, then --heldout test; results/gemfilter/niah_dev.json,
+niah_heldout.json/.md) goes through the harness (sparsekv.eval.niah.run_niah) with its result cache, so an
+interrupted run resumes: dev scores a handful of (filter_layer, window, pool) candidates on the harness's needle
+and picks one by a fixed rule; test runs dense, the method default and the paper's setting on other needles,
+depths and haystack offsets.
 """
 
 from __future__ import annotations
@@ -105,20 +111,29 @@ def run_niah(args) -> dict:
             prompt, ids = needle_ids(tokenizer, context, depth)
             row = {"context": context, "depth": depth, "prompt_tokens": ids.shape[1]}
             for name, config in configs.items():
-                result = sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens)
-                row[name] = {"text": result.texts[0], "score": keyword_recall(result.texts[0]),
-                             "prefill_seconds": result.prefill_seconds}
+                result = sparsekv.generate(
+                    model, tokenizer, prompt, config, max_new_tokens=args.max_new_tokens
+                )
+                row[name] = {
+                    "text": result.texts[0],
+                    "score": keyword_recall(result.texts[0]),
+                    "prefill_seconds": result.prefill_seconds,
+                }
                 if config.method == "gemfilter":
                     row[name]["filter_layer"] = last_selection(model).filter_layer
-                print(f"[niah] {context}@{depth} {name}: {row[name]['score']:.2f} "
-                      f"({result.prefill_seconds:.2f}s) {result.texts[0].strip()[:90]!r}", flush=True)
+                print(
+                    f"[niah] {context}@{depth} {name}: {row[name]['score']:.2f} "
+                    f"({result.prefill_seconds:.2f}s) {result.texts[0].strip()[:90]!r}",
+                    flush=True,
+                )
             rows.append(row)
     means = {name: statistics.mean(r[name]["score"] for r in rows) for name in configs}
     return {"configs": {name: c.options for name, c in configs.items()}, "rows": rows, "mean_score": means}
 
 
-def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: int | None, window: int = 1,
-                pool: int = 5) -> dict:
+def prefill_one(
+    method: str, tokens: int, reps: int, keep: int, filter_layer: int | None, window: int = 1, pool: int = 5
+) -> dict:
     """In this (fresh) process: warm up, then time/measure `reps` prefills of a `tokens`-token needle prompt."""
     from sparsekv.prefill.gemfilter import gem_filter
 
@@ -131,10 +146,17 @@ def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: in
 
         mask = torch.ones_like(input_ids)
         if method == "gemfilter":
-            result = gem_filter(model, input_ids, mask, keep=keep, filter_layer=filter_layer, window=window, pool=pool)
+            result = gem_filter(
+                model, input_ids, mask, keep=keep, filter_layer=filter_layer, window=window, pool=pool
+            )
             input_ids, mask = result.input_ids, result.attention_mask
-        out = model(input_ids=input_ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            past_key_values=DynamicCache(config=model.config),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         return int(out.logits[0, -1].argmax())
 
     prefill(ids[:, -512:])  # warm-up
@@ -144,19 +166,45 @@ def prefill_one(method: str, tokens: int, reps: int, keep: int, filter_layer: in
             start, cpu_start = time.perf_counter(), time.process_time()
             token = prefill(ids)
             seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
-        runs.append({"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_rss_delta_mb": peak.delta_mb,
-                     "first_token": token})
-        print(f"[prefill] {method} {ids.shape[1]} tokens: {seconds:.2f}s wall, {cpu_seconds:.2f}s cpu, "
-              f"peak +{peak.delta_mb:.0f} MB", flush=True)
-    return {"method": method, "filter_layer": filter_layer, "window": window, "pool": pool,
-            "prompt_tokens": ids.shape[1], "threads": torch.get_num_threads(), "runs": runs}
+        runs.append(
+            {
+                "seconds": seconds,
+                "cpu_seconds": cpu_seconds,
+                "peak_rss_delta_mb": peak.delta_mb,
+                "first_token": token,
+            }
+        )
+        print(
+            f"[prefill] {method} {ids.shape[1]} tokens: {seconds:.2f}s wall, {cpu_seconds:.2f}s cpu, "
+            f"peak +{peak.delta_mb:.0f} MB",
+            flush=True,
+        )
+    return {
+        "method": method,
+        "filter_layer": filter_layer,
+        "window": window,
+        "pool": pool,
+        "prompt_tokens": ids.shape[1],
+        "threads": torch.get_num_threads(),
+        "runs": runs,
+    }
 
 
 def run_prefill(args) -> dict:
     results = {}
     for method in ("gemfilter", "dense"):
-        command = [sys.executable, __file__, "--prefill-one", method, "--prefill-tokens", str(args.prefill_tokens),
-                   "--reps", str(args.reps), "--keep", str(args.keep)]
+        command = [
+            sys.executable,
+            __file__,
+            "--prefill-one",
+            method,
+            "--prefill-tokens",
+            str(args.prefill_tokens),
+            "--reps",
+            str(args.reps),
+            "--keep",
+            str(args.keep),
+        ]
         if args.filter_layer is not None:
             command += ["--filter-layer", str(args.filter_layer)]
         command += ["--window", str(args.window), "--pool", str(args.pool)]
@@ -173,11 +221,226 @@ def run_prefill(args) -> dict:
     gem_cpu = min(r["cpu_seconds"] for r in results["gemfilter"]["runs"])
     dense_mb = max(r["peak_rss_delta_mb"] for r in results["dense"]["runs"])
     gem_mb = max(r["peak_rss_delta_mb"] for r in results["gemfilter"]["runs"])
-    results["summary"] = {"dense_seconds": dense_s, "gemfilter_seconds": gem_s, "speedup": dense_s / gem_s,
-                          "dense_cpu_seconds": dense_cpu, "gemfilter_cpu_seconds": gem_cpu,
-                          "cpu_speedup": dense_cpu / gem_cpu,
-                          "dense_peak_mb": dense_mb, "gemfilter_peak_mb": gem_mb}
+    results["summary"] = {
+        "dense_seconds": dense_s,
+        "gemfilter_seconds": gem_s,
+        "speedup": dense_s / gem_s,
+        "dense_cpu_seconds": dense_cpu,
+        "gemfilter_cpu_seconds": gem_cpu,
+        "cpu_speedup": dense_cpu / gem_cpu,
+        "dense_peak_mb": dense_mb,
+        "gemfilter_peak_mb": gem_mb,
+    }
     return results
+
+
+# ----------------------------------------------------------------------------------- held-out NIAH protocol
+#
+# The NIAH acceptance (gemfilter k=256 >= dense on 1K-3K) is checked out of sample: the scoring settings
+# (window, pool, filter_layer) are chosen on a dev grid, then the chosen method default is run once on a test
+# grid whose needles, questions, depths and haystack offsets the dev step never saw. Both grids go through the
+# harness (sparsekv.eval.niah.run_niah: needle placement, chat template, greedy decoding, keyword recall).
+
+HELDOUT_LENGTHS = (1000, 2000, 3000)
+HELDOUT_KEEP = 256
+
+#: dev grid: the harness's default needle, haystack from the start of the essays
+DEV_DEPTHS = (0.25, 0.5, 0.75)
+#: candidates scored on the dev grid (a handful: the CPU is shared); the paper's setting is the first
+DEV_CANDIDATES = (
+    {"filter_layer": None, "window": 1, "pool": 5},
+    {"filter_layer": None, "window": 8, "pool": 31},
+    {"filter_layer": 14, "window": 8, "pool": 31},
+    {"filter_layer": 18, "window": 8, "pool": 31},
+    {"filter_layer": 18, "window": 24, "pool": 31},
+    {"filter_layer": 14, "window": 8, "pool": 15},
+)
+
+#: test grid: other needles (fact, question, answer keywords), other depths, each needle in another part of the
+#: essays (haystack starts at the first paragraph after `offset` characters). Written before any test run.
+TEST_DEPTHS = (0.1, 0.4, 0.65, 0.9)
+TEST_NEEDLES = (
+    {
+        "needle": "The secret ingredient in Grandma Rosa's famous lasagna is a spoonful of cinnamon and smoked paprika.",
+        "question": "What is the secret ingredient in Grandma Rosa's famous lasagna?",
+        "keywords": ("cinnamon", "paprika"),
+        "offset": 100_000,
+    },
+    {
+        "needle": "The password to the old lighthouse on Cape Morrow is silver pelican.",
+        "question": "What is the password to the old lighthouse on Cape Morrow?",
+        "keywords": ("silver", "pelican"),
+        "offset": 250_000,
+    },
+    {
+        "needle": "Marcus hid the spare house key under the blue ceramic frog next to the garden shed.",
+        "question": "Where did Marcus hide the spare house key?",
+        "keywords": ("blue", "frog", "shed"),
+        "offset": 400_000,
+    },
+    {
+        "needle": "The Riverton kite festival is held every April on the hills north of the old mill.",
+        "question": "When and where is the Riverton kite festival held?",
+        "keywords": ("April", "hills", "mill"),
+        "offset": 550_000,
+    },
+)
+
+
+def dev_choice(scores: dict[str, float], candidates: dict[str, dict]) -> str:
+    """The selection rule, fixed before the test run: best mean dev score; ties go to the cheaper filter pass
+    (earlier layer, None = the 40% default layer, counted as 12 of 30), then the smaller window and pool."""
+
+    def cost(name):
+        options = candidates[name]
+        layer = 12 if options["filter_layer"] is None else options["filter_layer"]
+        return (-round(scores[name], 6), layer, options["window"], options["pool"])
+
+    return min(candidates, key=cost)
+
+
+def haystack_from(offset: int) -> str:
+    from sparsekv.assets import haystack_text
+
+    text = haystack_text()
+    if offset == 0:
+        return text
+    start = text.find("\n\n", offset)
+    if start < 0:
+        raise SystemExit(f"no paragraph break after offset {offset}")
+    return text[start + 2 :]
+
+
+def niah_grid(handle, cache, config, needle: dict | None, depths, haystack: str) -> dict:
+    from sparsekv.eval.niah import NiahSettings, run_niah
+
+    extra = {} if needle is None else {"needle": needle["needle"], "question": needle["question"],
+                                       "keywords": tuple(needle["keywords"])}  # fmt: skip
+    settings = NiahSettings(lengths=HELDOUT_LENGTHS, depths=tuple(depths), max_new_tokens=32, **extra)
+    return run_niah(handle, config, settings, haystack=haystack, cache=cache)
+
+
+def cell_rows(payload: dict) -> list[dict]:
+    return [{"length": c["length"], "depth": c["depth"], "prompt_tokens": c["prompt_tokens"], "score": c["score"],
+             "answer": c["answer"]} for c in payload["cells"]]  # fmt: skip
+
+
+def run_heldout(args) -> None:
+    from sparsekv import SparseConfig
+    from sparsekv.eval.common import ModelHandle, ResultCache, default_cache_dir
+    from sparsekv.prefill.gemfilter import GemFilter
+
+    handle = ModelHandle("default")
+    cache = ResultCache(default_cache_dir())
+    out = args.output or Path(f"results/gemfilter/niah_{'dev' if args.heldout == 'dev' else 'heldout'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {"protocol": "dev grid chooses (window, pool, filter_layer); test grid checks the method default",
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "threads": torch.get_num_threads(), "keep": HELDOUT_KEEP, "lengths": list(HELDOUT_LENGTHS),
+              "scorer": "keyword-recall (sparsekv.eval.scoring)", "max_new_tokens": 32}  # fmt: skip
+
+    def save():
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    if args.heldout == "dev":
+        haystack = haystack_from(0)
+        report.update(
+            depths=list(DEV_DEPTHS), needle="harness default (San Francisco sandwich)", haystack_offset=0
+        )
+        configs = {"dense": SparseConfig("dense")}
+        candidates = {}
+        for options in DEV_CANDIDATES:
+            name = "L{}-w{}-p{}".format("default" if options["filter_layer"] is None else options["filter_layer"],
+                                        options["window"], options["pool"])  # fmt: skip
+            candidates[name] = options
+            configs[name] = SparseConfig("gemfilter", options={"keep": HELDOUT_KEEP, **options})
+        report["candidates"] = candidates
+        report["grids"] = {}
+        for name, config in configs.items():
+            payload = niah_grid(handle, cache, config, None, DEV_DEPTHS, haystack)
+            report["grids"][name] = {"score": payload["score"], "score_by_length": payload["score_by_length"],
+                                     "cells": cell_rows(payload)}  # fmt: skip
+            print(f"[dev] {name}: {payload['score']:.3f} {payload['score_by_length']}", flush=True)
+            save()
+        scores = {name: report["grids"][name]["score"] for name in candidates}
+        report["choice"] = dev_choice(scores, candidates)
+        report["choice_options"] = candidates[report["choice"]]
+        save()
+        print(f"[dev] choice: {report['choice']} {report['choice_options']}", flush=True)
+        return
+
+    # test: dense, the method's default (keep only) and the paper's setting, on every held-out needle
+    from sparsekv.prefill.gemfilter import PAPER_OPTIONS as paper
+
+    configs = {
+        "dense": SparseConfig("dense"),
+        "gemfilter-default": SparseConfig("gemfilter", options={"keep": HELDOUT_KEEP}),
+        "gemfilter-paper": SparseConfig("gemfilter", options={"keep": HELDOUT_KEEP, **paper}),
+    }
+    report.update(depths=list(TEST_DEPTHS), needles=[dict(n, keywords=list(n["keywords"])) for n in TEST_NEEDLES],
+                  default_options=GemFilter.options_of(configs["gemfilter-default"]),
+                  paper_options=GemFilter.options_of(configs["gemfilter-paper"]), grids={})  # fmt: skip
+    for index, needle in enumerate(TEST_NEEDLES):
+        haystack = haystack_from(needle["offset"])
+        for name, config in configs.items():
+            payload = niah_grid(handle, cache, config, needle, TEST_DEPTHS, haystack)
+            report["grids"].setdefault(name, {})[str(index)] = {"score": payload["score"],
+                                                                "cells": cell_rows(payload)}  # fmt: skip
+            print(
+                f"[test] needle {index} {name}: {payload['score']:.3f} {payload['score_by_length']}",
+                flush=True,
+            )
+            save()
+    summary = {}
+    for name in configs:
+        cells = [c for grid in report["grids"][name].values() for c in grid["cells"]]
+        summary[name] = {"mean": statistics.mean(c["score"] for c in cells),
+                         "by_length": {str(n): statistics.mean(c["score"] for c in cells if c["length"] == n)
+                                       for n in HELDOUT_LENGTHS},
+                         "by_needle": {i: g["score"] for i, g in report["grids"][name].items()}}  # fmt: skip
+    report["summary"] = summary
+    dense_cells = [c for g in report["grids"]["dense"].values() for c in g["cells"]]
+    default_cells = [c for g in report["grids"]["gemfilter-default"].values() for c in g["cells"]]
+    report["default_cells_below_dense"] = sum(
+        g["score"] < d["score"] for g, d in zip(default_cells, dense_cells)
+    )
+    report["default_ge_dense"] = summary["gemfilter-default"]["mean"] >= summary["dense"]["mean"]
+    save()
+    out.with_suffix(".md").write_text(heldout_markdown(report))
+    print(f"[test] {json.dumps(summary)}", flush=True)
+
+
+def heldout_markdown(report: dict) -> str:
+    names = list(report["grids"])
+    lines = [
+        "# GemFilter NIAH, held-out grid (SmolLM2-135M-Instruct, CPU float32)",
+        "",
+        f"Command: `{report['command']}` ({report['date']}). keep={report['keep']} tokens; greedy, 32 new tokens; "
+        + f"score = {report['scorer']}.",
+        f"gemfilter-default options: `{report['default_options']}`; gemfilter-paper: `{report['paper_options']}`.",
+        "",
+        "| needle | length | depth | prompt tokens | " + " | ".join(names) + " |",
+        "|---|---|---|---|" + "---|" * len(names),
+    ]
+    for index in report["grids"]["dense"]:
+        for row, cell in enumerate(report["grids"]["dense"][index]["cells"]):
+            scores = [report["grids"][name][index]["cells"][row]["score"] for name in names]
+            lines.append(f"| {index} | {cell['length']} | {cell['depth']} | {cell['prompt_tokens']} | "
+                         + " | ".join(f"{s:.2f}" for s in scores) + " |")  # fmt: skip
+    lines += ["", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    summary = report["summary"]
+    lines.append("| mean | " + " | ".join(f"**{summary[n]['mean']:.3f}**" for n in names) + " |")
+    for length in report["lengths"]:
+        lines.append(f"| {length} tokens | " + " | ".join(f"{summary[n]['by_length'][str(length)]:.3f}"
+                                                          for n in names) + " |")  # fmt: skip
+    for index, needle in enumerate(report["needles"]):
+        lines.append(f"| needle {index} | " + " | ".join(f"{summary[n]['by_needle'][str(index)]:.3f}"
+                                                        for n in names) + " |")  # fmt: skip
+    lines += ["", "Needles (keywords; haystack offset in characters):", ""]
+    for index, needle in enumerate(report["needles"]):
+        lines.append(f"{index}. {needle['needle']} Q: {needle['question']} ({', '.join(needle['keywords'])}; "
+                     f"{needle['offset']})")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 def parse_variant(text: str) -> tuple[int | None, int, int]:
@@ -186,16 +449,23 @@ def parse_variant(text: str) -> tuple[int | None, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from sparsekv.prefill.gemfilter import GemFilter
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--lengths", default="1000,2000,3000")
     parser.add_argument("--depths", default="0.1,0.5,0.9")
     parser.add_argument("--keep", type=int, default=256)
     parser.add_argument("--filter-layer", type=int, default=None, help="prefill bench filter layer")
-    parser.add_argument("--variants", default="default:1",
-                        help="NIAH gemfilter variants, comma-separated layer:window[:pool] ('default' = 40%% depth)")
+    parser.add_argument(
+        "--variants",
+        default="default:8:31",
+        help="NIAH gemfilter variants, comma-separated layer:window[:pool] ('default' = the method's default layer)",
+    )
     parser.add_argument("--skip-dense", action="store_true", help="NIAH without the dense reference")
-    parser.add_argument("--window", type=int, default=1, help="prefill bench gemfilter window")
-    parser.add_argument("--pool", type=int, default=5, help="prefill bench gemfilter pool")
+    parser.add_argument("--window", type=int, default=GemFilter.window, help="prefill bench gemfilter window")
+    parser.add_argument("--pool", type=int, default=GemFilter.pool, help="prefill bench gemfilter pool")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--prefill-tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=2)
@@ -204,27 +474,60 @@ def main() -> None:
     parser.add_argument("--scan", action="store_true")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--prefill-one", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--heldout",
+        choices=("dev", "test"),
+        default=None,
+        help="the out-of-sample NIAH protocol: dev (choose settings) or test (check the default)",
+    )
     args = parser.parse_args()
+    if args.heldout:
+        run_heldout(args)
+        return
     if args.prefill_one:
-        result = prefill_one(args.prefill_one, args.prefill_tokens, args.reps, args.keep, args.filter_layer,
-                             args.window, args.pool)
+        result = prefill_one(
+            args.prefill_one,
+            args.prefill_tokens,
+            args.reps,
+            args.keep,
+            args.filter_layer,
+            args.window,
+            args.pool,
+        )
         print("@@JSON@@" + json.dumps(result))
         return
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.depths = [float(x) for x in args.depths.split(",")]
     args.variants = [parse_variant(v) for v in args.variants.split(",")]
-    report = {"device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M"), "keep": args.keep}
+    report = {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "keep": args.keep,
+    }
     if args.scan:
         from sparsekv.prefill.gemfilter import recommend_layer, scan_layers
 
         model, tokenizer = load()
-        probes = scan_layers(model, tokenizer, args.lengths, args.depths, keep=args.keep,
-                             progress=lambda text: print(f"[scan] {text}", flush=True))
-        report["scan"] = {"recommended_layer": recommend_layer(probes), "probes": [p.to_dict() for p in probes]}
+        probes = scan_layers(
+            model,
+            tokenizer,
+            args.lengths,
+            args.depths,
+            keep=args.keep,
+            progress=lambda text: print(f"[scan] {text}", flush=True),
+        )
+        report["scan"] = {
+            "recommended_layer": recommend_layer(probes),
+            "probes": [p.to_dict() for p in probes],
+        }
         for layer in range(len(probes[0].distance)):
-            print(f"[scan] layer {layer:2d}: distance {[p.distance[layer] for p in probes]} "
-                  f"coverage {[round(p.coverage[layer], 2) for p in probes]}", flush=True)
+            print(
+                f"[scan] layer {layer:2d}: distance {[p.distance[layer] for p in probes]} "
+                f"coverage {[round(p.coverage[layer], 2) for p in probes]}",
+                flush=True,
+            )
         print(f"[scan] recommended filter layer {report['scan']['recommended_layer']}", flush=True)
         del model
     if not args.skip_niah:

@@ -10,6 +10,7 @@ from transformers import BatchEncoding
 import sparsekv
 from sparsekv import ConfigError, SparseConfig
 from sparsekv.prefill.gemfilter import (
+    PAPER_OPTIONS,
     GemFilter,
     ProbeResult,
     decoder_layers,
@@ -20,6 +21,7 @@ from sparsekv.prefill.gemfilter import (
     layer_scores,
     recommend_layer,
     render_selection,
+    resolve_filter_layer,
     selection_distance,
 )
 
@@ -56,22 +58,53 @@ def random_ids(batch, length, seed):
     return torch.randint(3, 512, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-PROMPTS = ["The quick brown fox jumps over the lazy dog; then it runs far away into the woods.", "short one here"]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog; then it runs far away into the woods.",
+    "short one here",
+]
 
 
 def test_registered_and_options():
     assert "gemfilter" in sparsekv.available_methods()
     config = SparseConfig(method="gemfilter", options={"keep": 0.25, "filter_layer": 3, "pool": 3})
-    assert GemFilter.options_of(config) == {"keep": 0.25, "filter_layer": 3, "pool": 3, "window": 1}
+    assert GemFilter.options_of(config) == {"keep": 0.25, "filter_layer": 3, "pool": 3, "window": 8}
     assert GemFilter.options_of(SparseConfig(method="gemfilter")) == {
-        "keep": 1024, "filter_layer": None, "pool": 5, "window": 1}
+        "keep": 1024,
+        "filter_layer": None,
+        "pool": 31,
+        "window": 8,
+    }
+    assert PAPER_OPTIONS == {"window": 1, "pool": 5, "filter_layer": 0.4}
+    SparseConfig(method="gemfilter", options=PAPER_OPTIONS)
     assert GemFilter.dense
+
+
+def test_cache_keys_keep_the_filter_options():
+    """gemfilter decodes densely, but its options change the output: two configs must not share cached cells."""
+    from sparsekv.eval.common import config_key
+
+    default = config_key(SparseConfig(method="gemfilter", options={"keep": 256}))
+    paper = config_key(SparseConfig(method="gemfilter", options={"keep": 256, **PAPER_OPTIONS}))
+    assert default != paper
+    assert default != config_key(SparseConfig(method="gemfilter", options={"keep": 512}))
 
 
 @pytest.mark.parametrize(
     "options",
-    [{"keep": 0}, {"keep": 1.5}, {"keep": "all"}, {"keep": True}, {"pool": 4}, {"pool": 0}, {"filter_layer": -1},
-     {"window": 0}, {"unknown": 1}],
+    [
+        {"keep": 0},
+        {"keep": 1.5},
+        {"keep": "all"},
+        {"keep": True},
+        {"pool": 4},
+        {"pool": 0},
+        {"filter_layer": -1},
+        {"window": 0},
+        {"unknown": 1},
+        {"filter_layer": 1.5},
+        {"filter_layer": 0.0},
+        {"filter_layer": "12"},
+    ],
 )
 def test_bad_options_are_rejected(options):
     with pytest.raises(ConfigError):
@@ -84,11 +117,14 @@ def test_filter_layer_out_of_range():
         gem_filter(model, random_ids(1, 20, 0), keep=5, filter_layer=4)
 
 
-def test_default_filter_layer_is_40_percent_of_depth():
-    assert default_filter_layer(30) == 12
-    assert default_filter_layer(32) == 13
-    assert default_filter_layer(40) == 16
+def test_default_filter_layer_is_60_percent_of_depth_and_the_paper_40():
+    assert default_filter_layer(30) == 18
+    assert default_filter_layer(32) == 19
     assert default_filter_layer(2) == 1
+    assert [resolve_filter_layer(0.4, n) for n in (30, 32, 40)] == [12, 13, 16]
+    assert resolve_filter_layer(None, 30) == 18 and resolve_filter_layer(7, 30) == 7
+    with pytest.raises(ConfigError, match="out of range"):
+        resolve_filter_layer(30, 30)
 
 
 def test_kept_counts():
@@ -102,6 +138,7 @@ def count_layer_entries(model):
     seen: dict[int, list[int]] = {}
     handles = []
     for i, layer in enumerate(decoder_layers(model)):
+
         def hook(module, args, kwargs, i=i):
             hidden = args[0] if args else kwargs["hidden_states"]
             seen.setdefault(i, []).append(hidden.shape[1])
@@ -110,10 +147,18 @@ def count_layer_entries(model):
     return seen, handles
 
 
-def test_full_depth_is_not_run_on_the_long_prompt():
+@pytest.mark.parametrize(
+    ("options", "stop"),
+    [
+        ({"filter_layer": 2}, 2),
+        ({}, 4),
+        (PAPER_OPTIONS, 2),
+    ],  # default: 60% of 6 layers -> 4; the paper: 40% -> 2
+)
+def test_full_depth_is_not_run_on_the_long_prompt(options, stop):
     model = tiny(layers=6)
     tokenizer = ByteTokenizer()
-    config = SparseConfig(method="gemfilter", options={"keep": 16, "filter_layer": 2})
+    config = SparseConfig(method="gemfilter", options={"keep": 16, **options})
     seen, handles = count_layer_entries(model)
     try:
         result = sparsekv.generate(model, tokenizer, PROMPTS[0], config, max_new_tokens=3)
@@ -124,16 +169,21 @@ def test_full_depth_is_not_run_on_the_long_prompt():
     assert n > 16
     for layer in range(6):
         long_calls = [length for length in seen[layer] if length == n]
-        assert len(long_calls) == (1 if layer <= 2 else 0), f"layer {layer} saw the full prompt {len(long_calls)}x"
+        assert len(long_calls) == (1 if layer <= stop else 0), (
+            f"layer {layer} saw the full prompt {len(long_calls)}x"
+        )
         # then the kept prompt once and one token per decode step, in every layer
         assert [length for length in seen[layer] if length != n] == [16] + [1] * (result.new_tokens - 1)
+    assert last_selection(model).filter_layer == stop
 
 
 def test_attention_of_the_filter_layer_does_not_run():
     model = tiny(layers=4)
     ran = []
-    handles = [layer.self_attn.register_forward_hook(lambda *a, i=i: ran.append(i))
-               for i, layer in enumerate(decoder_layers(model))]
+    handles = [
+        layer.self_attn.register_forward_hook(lambda *a, i=i: ran.append(i))
+        for i, layer in enumerate(decoder_layers(model))
+    ]
     try:
         gem_filter(model, random_ids(1, 30, 1), keep=8, filter_layer=2)
     finally:
@@ -167,12 +217,32 @@ def test_scores_are_the_last_query_logits_summed_over_heads(shape):
         torch.testing.assert_close(difference, difference[:, :1].expand_as(difference), rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("paper", [False, True])
+def test_default_and_paper_scores(paper):
+    """The default scores with the last 8 queries' probabilities pooled over 31 positions at 60% depth; the paper's
+    options with the last query's logits pooled over 5 at 40%. The two pick different tokens."""
+    from sparsekv.prefill.gemfilter import pool_scores
+
+    model = tiny(layers=5)
+    ids = random_ids(1, 60, 6)
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    result = gem_filter(model, ids, keep=20, **(PAPER_OPTIONS if paper else {}))
+    layer, window, pool = (2, 1, 5) if paper else (3, 8, 31)
+    assert result.filter_layer == layer
+    expected = pool_scores(layer_scores(model, ids, None, [layer], window=window)[layer], valid, pool)
+    torch.testing.assert_close(result.scores, expected)
+    other = gem_filter(model, ids, keep=20, **({} if paper else PAPER_OPTIONS))
+    assert not torch.equal(result.kept[0], other.kept[0])
+
+
 def test_window_scores_are_summed_attention_probabilities():
     model = tiny("tiny-llama", layers=3)
     ids = random_ids(2, 25, 5)
     model.set_attn_implementation("eager")
     try:
-        reference = model(input_ids=ids, output_attentions=True, use_cache=False).attentions[1][:, :, -6:].sum((1, 2))
+        reference = (
+            model(input_ids=ids, output_attentions=True, use_cache=False).attentions[1][:, :, -6:].sum((1, 2))
+        )
     finally:
         model.set_attn_implementation("sdpa")
     mine = layer_scores(model, ids, None, [1], window=6)[1]
@@ -180,25 +250,27 @@ def test_window_scores_are_summed_attention_probabilities():
 
 
 @pytest.mark.parametrize("window", [1, 8])
-def test_batch_selection_equals_each_row_alone(window):
+def test_selection_is_sorted_holds_the_last_token_and_no_padding(window):
     model = tiny(layers=4)
     ids = random_ids(3, 40, 3)
     mask = torch.ones_like(ids)
     mask[1, :15] = 0
     mask[2, :34] = 0  # 6 tokens: fewer than keep, kept whole
-    result = gem_filter(model, ids, mask, keep=10, filter_layer=1)
+    result = gem_filter(model, ids, mask, keep=10, filter_layer=1, window=window)
     assert result.filtered
     assert [len(k) for k in result.kept] == [10, 10, 6]
     for row, kept in enumerate(result.kept):
         assert torch.equal(kept, kept.sort().values) and len(set(kept.tolist())) == len(kept)
         assert int(kept[-1]) == 39, "the last prompt token must be kept"
         assert mask[row, kept].all(), "a padding position was selected"
-        assert torch.equal(result.input_ids[row, -len(kept):], ids[row, kept])
+        assert torch.equal(result.input_ids[row, -len(kept) :], ids[row, kept])
     assert torch.equal(result.kept[2], torch.arange(34, 40))
     assert result.attention_mask.sum(-1).tolist() == [10, 10, 6]
     assert torch.isinf(result.scores[1, :15]).all()
 
 
+@pytest.mark.parametrize("window", [1, 8])
+def test_batch_selection_equals_each_row_alone(window):
     model = tiny(layers=4)
     lengths = (40, 27)
     ids = torch.full((2, 40), 0)
@@ -237,8 +309,9 @@ def test_generation_runs_the_full_model_on_the_kept_tokens():
     result = sparsekv.generate(model, tokenizer, PROMPTS, config, max_new_tokens=4)
     selection = last_selection(model)
     assert selection.filtered and [len(k) for k in selection.kept] == [12, 12]
-    kept_texts = [tokenizer.decode(selection.input_ids[row][selection.attention_mask[row].bool()])
-                  for row in range(2)]
+    kept_texts = [
+        tokenizer.decode(selection.input_ids[row][selection.attention_mask[row].bool()]) for row in range(2)
+    ]
     for row, text in enumerate(kept_texts):
         alone = sparsekv.generate(model, tokenizer, text, SparseConfig(method="dense"), max_new_tokens=4)
         assert alone.new_token_ids[0] == result.new_token_ids[row]
