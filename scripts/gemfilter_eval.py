@@ -339,6 +339,10 @@ def run_heldout(args) -> None:
               "threads": torch.get_num_threads(), "keep": HELDOUT_KEEP, "lengths": list(HELDOUT_LENGTHS),
               "scorer": "keyword-recall (sparsekv.eval.scoring)", "max_new_tokens": 32}  # fmt: skip
 
+    report["commit"] = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+
     def save():
         out.write_text(json.dumps(report, indent=2) + "\n")
 
