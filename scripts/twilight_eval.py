@@ -295,6 +295,8 @@ def main() -> None:
     parser.add_argument(
         "--measure-every", type=int, default=0, help="score every n-th prune call exactly (0: off)"
     )
+    parser.add_argument("--page-size", type=int, default=16, help="quest / oracle-page page size")
+    parser.add_argument("--gqa", choices=("group", "head"), default="group")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     global MEASURE_EVERY
@@ -307,11 +309,12 @@ def main() -> None:
     model, tokenizer = load_model("default", dtype=torch.float32)
     settings = PplSettings(args.context, args.prefix, args.chunk, args.windows, args.start)
     windows = text_windows(tokenizer, haystack_text(), settings)
-    shape = {k: getattr(args, k) for k in ("windows", "context", "prefix", "start")}
+    shape = {k: getattr(args, k) for k in ("windows", "context", "prefix", "start", "page_size", "gqa")}
     results = {"settings": vars(args) | {"output": str(args.output)}, "runs": []}
     if args.output and args.output.exists():
         previous = json.loads(args.output.read_text())
-        if {k: previous["settings"].get(k) for k in shape} == shape:
+        defaults = {"page_size": 16, "gqa": "group"}  # outputs written before these options existed
+        if {k: previous["settings"].get(k, defaults.get(k)) for k in shape} == shape:
             results["runs"] = [r for r in previous["runs"] if r.get("label")]
 
     def record(label: str, config: SparseConfig, measured: bool = False) -> dict:
@@ -324,29 +327,30 @@ def main() -> None:
             args.output.write_text(json.dumps(results, indent=1))
         return result
 
+    def config(method: str, budget, top_p=None) -> SparseConfig:
+        paged = method in ("quest", OraclePage.name)
+        options = {"page_size": args.page_size} if paged and args.page_size != 16 else {}
+        return SparseConfig(method=method, budget=budget, top_p=top_p, gqa=args.gqa, options=options)
+
     dense = record("dense", SparseConfig(method="dense"))
     measured = args.measure_every > 0
     for c in args.candidates:
-        record(f"quest@{c}", SparseConfig(method="quest", budget=c))
+        record(f"quest@{c}", config("quest", c))
         if args.oracle_page:
-            record(f"oracle-page@{c}", SparseConfig(method=OraclePage.name, budget=c))
+            record(f"oracle-page@{c}", config(OraclePage.name, c))
         if args.oracle:
-            record(f"oracle-topk@{c}", SparseConfig(method="oracle-topk", budget=c))
+            record(f"oracle-topk@{c}", config("oracle-topk", c))
         for p in args.top_p:
-            twilight = record(
-                f"quest@{c}+top-p{p}", SparseConfig(method="quest", budget=c, top_p=p), measured=measured
-            )
+            twilight = record(f"quest@{c}+top-p{p}", config("quest", c, p), measured=measured)
             measured = False
             matched = twilight["mean_kept_fraction"]
-            record(f"quest@{c}:matched-top-p{p}", SparseConfig(method="quest", budget=matched))
+            record(f"quest@{c}:matched-top-p{p}", config("quest", matched))
             if args.oracle:
-                record(
-                    f"oracle-topk@{c}:matched-top-p{p}", SparseConfig(method="oracle-topk", budget=matched)
-                )
+                record(f"oracle-topk@{c}:matched-top-p{p}", config("oracle-topk", matched))
     if args.full_top_p:
         for p in args.top_p:
             # an int budget of the whole window: the candidates are all visible tokens
-            record(f"all+top-p{p}", SparseConfig(method="oracle-topk", budget=args.context, top_p=p))
+            record(f"all+top-p{p}", config("oracle-topk", args.context, p))
     report(results, dense)
 
 
