@@ -114,23 +114,28 @@ def new_hash(cfg: TrainConfig, num_kv_heads: int, head_dim: int, layer: int) -> 
 
 
 def train_layer(
-    q: torch.Tensor, k: torch.Tensor, cfg: TrainConfig, layer: int, on_step=None
+    q: torch.Tensor, k: torch.Tensor, cfg: TrainConfig, layer: int, on_step=None, device=None
 ) -> tuple[LayerHash, float]:
-    """Trains the hash of one layer on q [W, Hq, L, d], k [W, Hkv, L, d]; returns (hash, mean loss of the last 10%)."""
+    """Trains the hash of one layer on q [W, Hq, L, d], k [W, Hkv, L, d]; returns (hash on the CPU, mean loss of
+    the last 10%). `device` (default: q's) runs the steps there; the random draws come from a CPU generator,
+    so a seed gives the same batches on every device (the float results differ by rounding)."""
+    device = torch.device(device) if device is not None else q.device
     windows, hq, length, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     fn = new_hash(cfg, hkv, d, layer)
     fn.set_normalisation(*normalisation(q, k))
+    fn.to(device)
+    q, k = q.to(device), k.to(device)
     generator = torch.Generator().manual_seed(cfg.seed * 100_003 + layer + 7_919)
     opt = torch.optim.AdamW(fn.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    key_pos = torch.arange(length)
+    key_pos = torch.arange(length, device=device)
     losses = []
     bq = cfg.batch_queries
     for step in range(cfg.steps):
         w = step % windows
-        pos = torch.randint(cfg.min_query_position, length, (bq,), generator=generator)
+        pos = torch.randint(cfg.min_query_position, length, (bq,), generator=generator).to(device)
         qs = q[w][:, pos].float().reshape(hkv, g * bq, d)  # query head h -> kv head h // g
         ks = k[w].float()
         t = pos.repeat(g)  # positions of the rows of qs (group-major)
@@ -140,11 +145,12 @@ def train_layer(
             count = torch.ceil(cfg.top_fraction * (t + 1).double()).long().clamp(min=1)
             k_max = int(count.max())
             pos_idx = logits.topk(k_max, dim=-1).indices  # [Hkv, gBq, k_max]
-            pos_valid = (torch.arange(k_max) < count[:, None]).expand_as(pos_idx)
-            is_pos = torch.zeros(logits.shape, dtype=torch.bool).scatter_(-1, pos_idx, pos_valid)
-            rand_idx = (
-                torch.rand(hkv, g * bq, cfg.random_negatives, generator=generator) * (t + 1)[:, None]
-            ).long()
+            pos_valid = (torch.arange(k_max, device=device) < count[:, None]).expand_as(pos_idx)
+            is_pos = torch.zeros(logits.shape, dtype=torch.bool, device=device).scatter_(
+                -1, pos_idx, pos_valid
+            )
+            draws = torch.rand(hkv, g * bq, cfg.random_negatives, generator=generator).to(device)
+            rand_idx = (draws * (t + 1)[:, None]).long()
             rand_valid = ~is_pos.gather(-1, rand_idx)
         hq_soft = softsign(fn(qs, "q"), cfg.gamma)
         hk_soft = softsign(fn(ks, "k"), cfg.gamma)
@@ -168,6 +174,7 @@ def train_layer(
         if on_step is not None:
             on_step(step + 1, losses[-1])
     fn.requires_grad_(False)
+    fn.to("cpu")
     tail = losses[-max(1, len(losses) // 10) :]
     return fn, sum(tail) / len(tail)
 
@@ -220,6 +227,7 @@ def train_hash(
 
     start = time.perf_counter()
     output = Path(output)
+    device = next(model.parameters()).device  # training steps run where the model is
     fingerprint = model_fingerprint(model)
     num_layers = fingerprint["num_layers"]
     bad = [i for i in cfg.dense_layers if i >= num_layers]
@@ -269,7 +277,7 @@ def train_hash(
                     progress.update(task, advance=1, description=f"layer {layer} loss {loss:.4f}")
 
                 t_layer = time.perf_counter()
-                fn, final_loss = train_layer(q, k, cfg, layer, on_step)
+                fn, final_loss = train_layer(q, k, cfg, layer, on_step, device=device)
                 metrics = {"final_loss": final_loss, "seconds": time.perf_counter() - t_layer}
                 if layer in eval_qk:
                     eq, ek = eval_qk[layer]
