@@ -71,6 +71,8 @@ def derive_threshold(
 #   every bin and reduce the [BLOCK, bins] tile each time.
 HIST_MODE = {"mode": "packed"}
 PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles per program
+# software prefetch of the next tile in the level and compaction loops (scripts/gpu_probe.py sweeps it)
+PREFETCH = {"on": True}
 # compaction slots: "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one
 # counter per row; a block scan only in the chunk that straddles the equal-key quota; measured 3x slower) or
 # "scan_nobranch" (scan every tile, no data-dependent branch in the loop)
@@ -147,6 +149,7 @@ def _hist_kernel(
     BLOCK: tl.constexpr,
     ONEHOT: tl.constexpr,
     PACKED: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -159,12 +162,21 @@ def _hist_kernel(
     if PACKED:
         acc = tl.zeros([BLOCK, 8], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
+    if PREFETCH:
+        first = c * blocks_per_chunk + tl.arange(0, BLOCK)
+        nxt = tl.load(row_ptr + first, mask=(first < N) & (tl.arange(0, BLOCK) < blocks_per_chunk), other=0)
     # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time
     for i in range(0, blocks_per_chunk, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
         nmask = (offs < N) & (loc < blocks_per_chunk)
-        s = tl.load(row_ptr + offs, mask=nmask, other=0)
+        if PREFETCH:  # the next tile's load is in flight while this one is counted
+            s = nxt
+            nxt = tl.load(
+                row_ptr + offs + BLOCK, mask=(offs + BLOCK < N) & (loc + BLOCK < blocks_per_chunk), other=0
+            )
+        else:
+            s = tl.load(row_ptr + offs, mask=nmask, other=0)
         if PACKED:
             digit, ok = level_digit(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
             acc = packed_add(acc, digit, ok)
@@ -206,6 +218,7 @@ def _compact_kernel(
     ATOMIC: tl.constexpr,
     BRANCH: tl.constexpr,
     REVERSE: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -226,11 +239,21 @@ def _compact_kernel(
         eq_here = tl.sum(tl.where(chunks == c, eq_chunk, 0), axis=0)
         take_all = base_eq + eq_here <= need_eq
         boundary = (base_eq < need_eq) & (base_eq + eq_here > need_eq)
+    if PREFETCH:
+        first = c * blocks_per_chunk + tl.arange(0, BLOCK)
+        nxt = tl.load(row_ptr + first, mask=(first < N) & (tl.arange(0, BLOCK) < blocks_per_chunk), other=0)
     for i in range(0, blocks_per_chunk, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
         nmask = (offs < N) & (loc < blocks_per_chunk)
-        key = _key(tl.load(row_ptr + offs, mask=nmask, other=0), lo, IS_FLOAT)
+        if PREFETCH:  # the next tile's load is in flight during this tile's scan and stores
+            raw = nxt
+            nxt = tl.load(
+                row_ptr + offs + BLOCK, mask=(offs + BLOCK < N) & (loc + BLOCK < blocks_per_chunk), other=0
+            )
+        else:
+            raw = tl.load(row_ptr + offs, mask=nmask, other=0)
+        key = _key(raw, lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
         # REVERSE: the scores were stored newest key first; report the keys' own positions
@@ -307,7 +330,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             src, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
-            PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), num_warps=4,
+            PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"], num_warps=4,
         )  # fmt: skip
     return hist
 
@@ -325,7 +348,8 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, cnt, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
-        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, num_warps=4,
+        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, PREFETCH=PREFETCH["on"],
+        num_warps=4,
     )  # fmt: skip
     return out
 
