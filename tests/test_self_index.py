@@ -59,7 +59,9 @@ def test_codes_from_packed_bits_match_direct_codes():
 
 
 def test_one_pass_centroids_hand_case():
-    keys = torch.tensor([[1.0, 2.0, -1.0, 3.0], [3.0, 4.0, -3.0, 1.0], [-1.0, 1.0, 1.0, 1.0], [2.0, 2.0, -2.0, 2.0]])
+    keys = torch.tensor(
+        [[1.0, 2.0, -1.0, 3.0], [3.0, 4.0, -3.0, 1.0], [-1.0, 1.0, 1.0, 1.0], [2.0, 2.0, -2.0, 2.0]]
+    )
     codes = sign_codes(keys)[None, None]  # [1, 1, 4, 1]
     assert codes.flatten().tolist() == [13, 13, 7, 13]  # ++-+ = 1101b, -+++ = 0111b
     cents = one_pass_centroids(keys[None, None], codes)[0, 0, 0]  # [16, 4]
@@ -106,7 +108,7 @@ def test_kernel_lut_scores_agree_with_reference_for_groups():
 # --------------------------------------------------------------------------------------------- quantization
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_pack_round_trip(bits):
     values = torch.randint(0, 1 << bits, (3, 5, 64), dtype=torch.uint8)
     packed = pack_bits(values, bits)
@@ -114,7 +116,7 @@ def test_pack_round_trip(bits):
     assert torch.equal(unpack_bits(packed, bits), values)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_quantize_error_bound(bits):
     x = torch.randn(4, 3, 100, 64, generator=torch.Generator().manual_seed(3)) * 3
     packed, scale, zero = quantize(x, bits, 32)
@@ -130,6 +132,16 @@ def test_quantize_error_bound(bits):
                           rtol=2e-3, atol=1e-3)  # fmt: skip
 
 
+def test_quantize_without_zero_point():
+    x = torch.rand(2, 5, 64, generator=torch.Generator().manual_seed(13)) * 2
+    packed, scale, zero = quantize(x, 3, 32, with_zero=False)
+    assert zero is None and scale.shape[-1] == 2
+    torch.testing.assert_close(scale.float(), x.unflatten(-1, (2, 32)).amax(-1) / 7, rtol=2e-3, atol=0)
+    back = dequantize(packed, scale, None, 3, torch.float32)
+    err = (back - x).abs().unflatten(-1, (2, 32)).amax(-1)
+    assert (err <= scale.float() / 2 * (1 + 1e-3)).all()
+
+
 def test_quantize_constant_group_is_exact():
     x = torch.full((1, 64), 0.75)
     back = dequantize(*quantize(x, 2, 32), 2, torch.float32)
@@ -138,7 +150,9 @@ def test_quantize_constant_group_is_exact():
 
 def test_compressed_keys_round_trip_error_and_signs():
     gen = torch.Generator().manual_seed(4)
-    keys = torch.randn(1, 3, 200, 64, generator=gen) * torch.linspace(0.2, 5, 64)  # channels of different scale
+    keys = torch.randn(1, 3, 200, 64, generator=gen) * torch.linspace(
+        0.2, 5, 64
+    )  # channels of different scale
     values = torch.randn(1, 3, 200, 64, generator=gen)
     query = torch.randn(1, 9, 200, 64, generator=gen)
     sel = prefilled(selector(sink_tokens=0), keys, values, query)
@@ -146,16 +160,43 @@ def test_compressed_keys_round_trip_error_and_signs():
     k_hat, v_hat = sel.gather_dequantized(idx, torch.tensor([199]))
     k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
     centred = keys - sel.mu
-    # K: sign kept exactly; magnitude error <= alpha * (half a 2-bit step of the normalised group + fp16 zero)
+    # K: sign kept exactly; magnitude error <= alpha * (half a step of the normalised group + fp16 zero)
     mag_s = sel._store.view("k_scale")
-    bound = (mag_s.float() / 2 + 1e-3).repeat_interleave(32, -1) * sel.alpha
+    bound = (mag_s.float() / 2 + 1e-3).repeat_interleave(sel.k_group, -1) * sel.alpha
     assert ((k_hat - keys).abs() <= bound).all()
     nonzero = (k_hat - sel.mu).abs() > 1e-6
     assert torch.equal(torch.sign(k_hat - sel.mu)[nonzero], torch.sign(centred)[nonzero])
-    v_bound = (sel._store.view("v_scale").float() / 2 + 1e-3).repeat_interleave(32, -1)
+    v_bound = (sel._store.view("v_scale").float() / 2 + 1e-3).repeat_interleave(sel.v_group, -1)
     assert ((v_hat - values).abs() <= v_bound).all()
     rel = ((k_hat - keys).norm() / keys.norm()).item()
     assert rel < 0.25, rel  # 2-bit magnitudes + exact signs
+
+
+def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
+    """kv_bits=16 and rescore x budget >= all tokens: the second stage sees every token, so the selection is the
+    exact group-summed q.k top-k (plus the sinks); with rescore=1 it stays the LUT's own top-k."""
+    from sparsekv.selectors.base import DecodeStep
+
+    gen = torch.Generator().manual_seed(12)
+    keys, values = torch.randn(1, 3, 200, 64, generator=gen), torch.randn(1, 3, 200, 64, generator=gen)
+    query = torch.randn(1, 9, 200, 64, generator=gen)
+    visible = torch.ones(1, 1, 200, dtype=torch.bool)
+
+    def chosen(**options):
+        sel = prefilled(selector(kv_bits=16, **options), keys, values, query)
+        step = DecodeStep(query=query[:, :, -1:], keys=keys, values=values, visible=visible,
+                          forced=torch.zeros_like(visible), budgets=torch.tensor([[20]]), layer=sel.layer,
+                          gqa="group")  # fmt: skip
+        return sel, sel.select(step).to_mask(200)[:, :, 0]
+
+    exact = torch.matmul(query[:, :, -1:].view(1, 3, 3, 1, 64).sum(2), keys.transpose(-1, -2))[:, :, 0]
+    sel, mask = chosen(sink_tokens=4, rescore=10)
+    sinks = torch.zeros_like(mask).scatter(-1, sel.sink_positions.long(), True)
+    rest = exact.masked_fill(sinks, float("-inf")).topk(16, dim=-1).indices
+    assert torch.equal(mask, sinks.scatter(-1, rest, True))
+    lut_only = chosen(sink_tokens=4, rescore=0)[1]
+    assert torch.equal(chosen(sink_tokens=4, rescore=1)[1], lut_only)
+    assert not torch.equal(lut_only, mask)  # the LUT alone is approximate
 
 
 # --------------------------------------------------------------------------------------------- sinks, padding
@@ -213,7 +254,9 @@ def tiny():
 
 
 def ids_for(model, batch, length, seed):
-    return torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 @pytest.mark.parametrize(("gqa", "options"), [
@@ -221,6 +264,8 @@ def ids_for(model, batch, length, seed):
     ("head", {"sink_tokens": 4, "residual": 8}),
     ("group", {"sink_tokens": 0, "residual": 0}),
     ("head", {"kv_bits": 4, "sink_tokens": 2, "residual": 5}),
+    ("group", {"sink_tokens": 4, "residual": 8, "rescore": 2}),
+    ("head", {"kv_bits": 16, "sink_tokens": 2, "rescore": 3}),
 ])  # fmt: skip
 def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
     config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), gqa=gqa, options=options)
@@ -228,8 +273,12 @@ def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
     chunked, rec_c = run_chunks(tiny, config, ids, 34, chunk=11)
     stepped, rec_s = run_chunks(tiny, config, ids, 34, chunk=1)
     torch.testing.assert_close(chunked, stepped, rtol=0, atol=1e-9)
-    masks_c = torch.cat([torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_c.calls], dim=2)
-    masks_s = torch.cat([torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_s.calls], dim=2)
+    masks_c = torch.cat(
+        [torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_c.calls], dim=2
+    )
+    masks_s = torch.cat(
+        [torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_s.calls], dim=2
+    )
     assert torch.equal(masks_c, masks_s)
 
 
@@ -258,6 +307,12 @@ def test_config_validation():
         SparseConfig(method="self-index", top_p=0.9)
     with pytest.raises(ConfigError, match="sink_tokens"):
         SparseConfig(method="self-index", options={"sink_tokens": -1})
+    with pytest.raises(ConfigError, match="k_bits"):
+        SparseConfig(method="self-index", options={"k_bits": 5})
+    with pytest.raises(ConfigError, match="v_group"):
+        SparseConfig(method="self-index", options={"v_group": 48})
+    with pytest.raises(ConfigError, match="rescore"):
+        SparseConfig(method="self-index", options={"rescore": -2})
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -274,10 +329,12 @@ def test_memory_breakdown_is_under_a_quarter_of_bf16_at_4k():
     parts = sel.memory_breakdown()
     per_token_head = {k: v / (sel.num_tokens * 3) for k, v in parts.items()}
     assert per_token_head["sign_bits"] == pytest.approx(8, rel=0.05)  # 64 bits
-    assert per_token_head["k_quant"] == pytest.approx(16, rel=0.05)  # 64 x 2 bits
-    assert per_token_head["k_scale_zero"] == pytest.approx(8, rel=0.05)  # 2 groups x (scale + zero) x fp16
-    assert per_token_head["v_quant"] == pytest.approx(16, rel=0.05)
-    assert per_token_head["v_scale_zero"] == pytest.approx(8, rel=0.05)
+    assert per_token_head["k_quant"] == pytest.approx(24, rel=0.05)  # 64 x 3 bits
+    assert per_token_head["k_scale_zero"] == pytest.approx(
+        4, rel=0.05
+    )  # 2 groups x scale (zero fixed at 0) x fp16
+    assert per_token_head["v_quant"] == pytest.approx(16, rel=0.05)  # 64 x 2 bits
+    assert per_token_head["v_scale_zero"] == pytest.approx(4, rel=0.05)  # 1 group x (scale + zero) x fp16
     assert parts["kv_full"] == 0
     ratio = sum(parts.values()) / (sel.num_tokens * 3 * 2 * 64 * 2)
     assert ratio <= 0.25, ratio
