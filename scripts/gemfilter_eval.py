@@ -246,10 +246,11 @@ HELDOUT_KEEP = 256
 
 #: dev grid: the harness's default needle, haystack from the start of the essays
 DEV_DEPTHS = (0.25, 0.5, 0.75)
-#: candidates scored on the dev grid (a handful: the CPU is shared); the paper's setting is the first
+#: candidates scored on the dev grid (a handful: the CPU is shared); the paper's setting is the first. 0.4 = 40% of
+#: the depth = layer 12 (the recorded dev run named these "Ldefault": 40% was the default then)
 DEV_CANDIDATES = (
-    {"filter_layer": None, "window": 1, "pool": 5},
-    {"filter_layer": None, "window": 8, "pool": 31},
+    {"filter_layer": 0.4, "window": 1, "pool": 5},
+    {"filter_layer": 0.4, "window": 8, "pool": 31},
     {"filter_layer": 14, "window": 8, "pool": 31},
     {"filter_layer": 18, "window": 8, "pool": 31},
     {"filter_layer": 18, "window": 24, "pool": 31},
@@ -289,11 +290,12 @@ TEST_NEEDLES = (
 
 def dev_choice(scores: dict[str, float], candidates: dict[str, dict]) -> str:
     """The selection rule, fixed before the test run: best mean dev score; ties go to the cheaper filter pass
-    (earlier layer, None = the 40% default layer, counted as 12 of 30), then the smaller window and pool."""
+    (earlier layer; a fraction counts as that share of 30 layers), then the smaller window and pool."""
 
     def cost(name):
         options = candidates[name]
-        layer = 12 if options["filter_layer"] is None else options["filter_layer"]
+        layer = options["filter_layer"]
+        layer = round(layer * 30) if isinstance(layer, float) else layer
         return (-round(scores[name], 6), layer, options["window"], options["pool"])
 
     return min(candidates, key=cost)
@@ -354,7 +356,7 @@ def run_heldout(args) -> None:
         configs = {"dense": SparseConfig("dense")}
         candidates = {}
         for options in DEV_CANDIDATES:
-            name = "L{}-w{}-p{}".format("default" if options["filter_layer"] is None else options["filter_layer"],
+            name = "L{}-w{}-p{}".format(options["filter_layer"],
                                         options["window"], options["pool"])  # fmt: skip
             candidates[name] = options
             configs[name] = SparseConfig("gemfilter", options={"keep": HELDOUT_KEEP, **options})
@@ -409,9 +411,26 @@ def run_heldout(args) -> None:
         g["score"] < d["score"] for g, d in zip(default_cells, dense_cells)
     )
     report["default_ge_dense"] = summary["gemfilter-default"]["mean"] >= summary["dense"]["mean"]
+    add_dev_choice(report, out.with_name("niah_dev.json"))
     save()
     out.with_suffix(".md").write_text(heldout_markdown(report))
     print(f"[test] {json.dumps(summary)}", flush=True)
+
+
+def add_dev_choice(report: dict, dev_path: Path) -> None:
+    """Records the dev step's choice and scores next to the test results (the default must be that choice)."""
+    from sparsekv.prefill.gemfilter import default_filter_layer
+
+    layers = 30  # SmolLM2-135M
+    options = dict(report["default_options"])
+    options["filter_layer"] = (
+        default_filter_layer(layers) if options["filter_layer"] is None else options["filter_layer"]
+    )
+    report["chosen_settings"] = {**options, "resolved_for": f"{layers} layers"}
+    if dev_path.is_file():
+        dev = json.loads(dev_path.read_text())
+        report["dev"] = {"file": str(dev_path), "choice": dev.get("choice"), "choice_options": dev.get("choice_options"),
+                         "scores": {name: grid["score"] for name, grid in dev["grids"].items()}}  # fmt: skip
 
 
 def heldout_markdown(report: dict) -> str:
@@ -422,6 +441,10 @@ def heldout_markdown(report: dict) -> str:
         f"Command: `{report['command']}` ({report['date']}). keep={report['keep']} tokens; greedy, 32 new tokens; "
         + f"score = {report['scorer']}.",
         f"gemfilter-default options: `{report['default_options']}`; gemfilter-paper: `{report['paper_options']}`.",
+        "",
+        f"Chosen settings (default, resolved): `{report.get('chosen_settings')}`; dev choice: "
+        + f"`{report.get('dev', {}).get('choice')}`, dev scores `{report.get('dev', {}).get('scores')}` "
+        + "(results/gemfilter/niah_dev.json; harness needle, depths 0.25/0.5/0.75; Ldefault / L0.4 = layer 12).",
         "",
         "| needle | length | depth | prompt tokens | " + " | ".join(names) + " |",
         "|---|---|---|---|" + "---|" * len(names),
