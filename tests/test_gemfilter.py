@@ -235,8 +235,9 @@ def test_default_and_paper_scores(paper):
     assert not torch.equal(result.kept[0], other.kept[0])
 
 
-def test_window_scores_are_summed_attention_probabilities():
-    model = tiny("tiny-llama", layers=3)
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-mistral"])  # GQA groups of 2 and 4
+def test_window_scores_are_summed_attention_probabilities(shape):
+    model = tiny(shape, layers=3)
     ids = random_ids(2, 25, 5)
     model.set_attn_implementation("eager")
     try:

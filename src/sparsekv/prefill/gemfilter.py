@@ -182,9 +182,14 @@ def window_scores(
     length = hidden_states.shape[1]
     window = min(window, length)
     query, keys = _project(attn, hidden_states, position_embeddings, window)
-    dtype = torch.promote_types(keys.dtype, torch.float32)
-    keys = keys.to(dtype).repeat_interleave(query.shape[1] // keys.shape[1], dim=1)  # repeat_kv
-    logits = torch.matmul(query.to(dtype), keys.transpose(-1, -2)) * attn.scaling  # [B, H, w, N]
+    batch, heads, _, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    # repeat_kv maps query head h to kv head h // group: stacking each group's queries against its kv head gives the
+    # same logits without materialising the repeated keys ([B, H, N, d], gigabytes at 128K tokens); the product
+    # runs in the model's dtype like its attention, the softmax in float32 or wider
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * window, head_dim)
+    logits = torch.matmul(grouped, keys.transpose(-1, -2)).view(batch, heads, window, length)
+    logits = logits.to(torch.promote_types(keys.dtype, torch.float32)) * attn.scaling  # [B, H, w, N]
     positions = torch.arange(length, device=valid.device)
     causal = positions[None, :] <= positions[-window:, None]  # [w, N]
     visible = causal[None] & valid[:, None, :]  # [B, w, N]
