@@ -7,7 +7,7 @@
 * ppl: `sparsekv.eval.ppl.run_ppl` on one 4K window of the haystack: dense prefill of 3072 tokens, then the other
   1024 in chunks of 256 through the enabled model (each query selects from its own causal past: decode-faithful),
   dense vs self-index (default options) at 10% (ppl16: the 16-bit variant; ppl_paper: the paper's layout, LUT-only
-  top-k, 64 sinks, 2-bit |K| and V with scale+zero per 32);
+  top-k, 64 sinks always forced, 2-bit |K| and V with scale+zero per 32);
 * niah: `sparsekv.eval.niah.run_niah`, 1K/2K/3K tokens at depth 0.5, dense vs self-index 2-bit at 10% (niah16);
 * iou: post-RoPE q/k captured from one dense pass over 2K tokens; prompt = first half (mu, codebook, lsh centring),
   24 queries in the second half; top-10% of each scorer vs oracle top-10% (group-summed softmax weights), IoU
@@ -52,7 +52,15 @@ def memory_section(model, tokenizer, quick: bool) -> dict:
 
 SI2 = SparseConfig(method="self-index", budget=0.1)
 SI16 = SparseConfig(method="self-index", budget=0.1, options={"kv_bits": 16})
-PAPER = {"rescore": 0, "sink_tokens": 64, "k_bits": 2, "k_group": 32, "v_group": 32, "k_zero": True}
+PAPER = {
+    "rescore": 0,
+    "sink_tokens": 64,
+    "sink_share": 1.0,
+    "k_bits": 2,
+    "k_group": 32,
+    "v_group": 32,
+    "k_zero": True,
+}
 SI_PAPER = SparseConfig(method="self-index", budget=0.1, options=PAPER)
 DENSE = SparseConfig(method="dense")
 

@@ -206,7 +206,7 @@ def test_sinks_kept_full_precision_and_always_selected():
     gen = torch.Generator().manual_seed(5)
     keys, values = torch.randn(1, 3, 300, 64, generator=gen), torch.randn(1, 3, 300, 64, generator=gen)
     query = torch.randn(1, 9, 300, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=8), keys, values, query)
+    sel = prefilled(selector(sink_tokens=8, sink_share=1.0), keys, values, query)
     pos = sel.sink_positions.long()
     assert pos.shape == (1, 3, 8) and (pos.diff(dim=-1) > 0).all()
     idx = pos[:, :, None]  # [1, 3, 1, 8]
@@ -222,6 +222,12 @@ def test_sinks_kept_full_precision_and_always_selected():
     chosen = sel.select(step).to_mask(300)
     assert chosen.gather(-1, pos[:, :, None]).all()
     assert (chosen.sum(-1) == 30).all()
+    # sink_share caps the forced sinks at floor(share x budget), best SnapKV rank first
+    capped = prefilled(selector(sink_tokens=8, sink_share=0.2), keys, values, query)  # 6 of a 30 budget
+    boosted = capped.score(step) >= 1.0e7  # [1, 3, 1, 300]
+    assert (boosted.sum(-1) == 6).all()
+    best = capped.sink_positions.long().gather(-1, capped.sink_rank.long().argsort(-1)[..., :6])
+    assert boosted[:, :, 0].gather(-1, best).all()
 
 
 def test_statistics_ignore_left_padding():
@@ -313,6 +319,8 @@ def test_config_validation():
         SparseConfig(method="self-index", options={"v_group": 48})
     with pytest.raises(ConfigError, match="rescore"):
         SparseConfig(method="self-index", options={"rescore": -2})
+    with pytest.raises(ConfigError, match="sink_share"):
+        SparseConfig(method="self-index", options={"sink_share": 0})
 
 
 # --------------------------------------------------------------------------------------------- memory

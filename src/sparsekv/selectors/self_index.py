@@ -22,9 +22,9 @@ Per layer and kv-head, at the prefill:
   token as the paper's layout; measured by perplexity, K's error dominated (2-bit V with exact K: 27.7 vs 27.1
   for 16-bit; 2-bit |K| with exact V: 35.4). Nothing else of a compressed token is kept; attention gathers the
   selected tokens and dequantizes only those.
-* `sink_tokens` (16; the paper: 64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the last 32 prompt
-  queries, summed over the group, avg-pooled with kernel 5) and kept at 16-bit precision; the selection always
-  includes them (inside the budget, ranked by their SnapKV weight).
+* `sink_tokens` (64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the last 32 prompt
+  queries, summed over the group, avg-pooled with kernel 5) and kept at 16-bit precision; the selection includes
+  them first (inside the budget, ranked by their SnapKV weight), at most `sink_share` (1/4) of a query's budget.
 
 Decode tokens (decision): every new token is compressed as soon as it is stored, with the prompt's mu/alpha and
 codebook (its code is its sign pattern; codebooks are not updated, so nothing depends on future tokens).
@@ -316,8 +316,10 @@ class SelfIndexSelector(TokenSelector):
 
     kv_bits: 2 (default) or 4 = compressed V (and K magnitudes, see k_bits); 16 = full-precision K/V, only the
         1-bit index (the paper's "16,16,1").
-    sink_tokens: prompt tokens per kv-head kept at 16-bit and always selected, inside the budget (SnapKV-style
-        choice; 0 = none). 16 by default: the paper's 64 take most of a 10% budget below ~2K tokens.
+    sink_tokens: prompt tokens per kv-head kept at 16-bit and selected first, inside the budget (SnapKV-style
+        choice; 0 = none; 64 as in the paper).
+    sink_share: at most this share of a query's budget goes to forced sinks (best SnapKV rank first; 1 = all,
+        the paper). 64 sinks would otherwise take most of a 10% budget below ~2K tokens.
     residual: decode tokens of the current block read at 16-bit (block size; 0 = read every token compressed).
     fp_dtype: storage of the 16-bit parts of a compressed cache ("bfloat16", "float16" or "input").
     rescore: candidates per budget token that the LUT passes to a second stage ranking them by q.K as stored
@@ -326,9 +328,9 @@ class SelfIndexSelector(TokenSelector):
     k_group / v_group: elements per fp16 scale (and zero) of K magnitudes / V (32 / 64).
     k_zero: store a zero point for the K magnitudes too (the magnitudes are >= 0, so scale-only loses little).
 
-    The paper's configuration is rescore=0, sink_tokens=64, k_bits=2, k_group=32, v_group=32, k_zero=true; the
-    defaults keep the same bytes per token (24% of bf16 at 4K) and were chosen by decode-faithful perplexity
-    (results/self_index*.md).
+    The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_group=32, v_group=32, k_zero=true; the
+    defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by decode-faithful perplexity
+    (results/self_index.md).
     """
 
     name = "self-index"
@@ -337,7 +339,7 @@ class SelfIndexSelector(TokenSelector):
     lossy: ClassVar[bool] = True
 
     kv_bits: int = 2
-    sink_tokens: int = 16
+    sink_tokens: int = 64
     residual: int = 32
     fp_dtype: str = "bfloat16"
     rescore: int = 3
@@ -345,6 +347,7 @@ class SelfIndexSelector(TokenSelector):
     k_group: int = 32
     v_group: int = 64
     k_zero: bool = False
+    sink_share: float = 0.25
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -359,6 +362,9 @@ class SelfIndexSelector(TokenSelector):
             value = options.get(name, QUANT_GROUP)
             if isinstance(value, bool) or value not in (4, 8, 16, 32, 64, 128):
                 raise ConfigError(f"self-index {name} must be one of 4, 8, 16, 32, 64, 128, got {value!r}")
+        share = options.get("sink_share", 0.25)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"self-index sink_share must be a number in (0, 1], got {share!r}")
         if not isinstance(options.get("k_zero", True), bool):
             raise ConfigError("self-index k_zero must be true or false")
         for name in ("sink_tokens", "residual", "rescore"):
@@ -502,21 +508,24 @@ class SelfIndexSelector(TokenSelector):
             scores = lut_scores(query, self.centroids.to(work), self.codes())
         scores = scores.float()
         if self.sink_positions is not None:
-            scores = self._boost_sinks(scores)
+            scores = self._boost_sinks(scores, step.budgets)
         return scores
 
-    def _boost_sinks(self, scores: torch.Tensor) -> torch.Tensor:
+    def _boost_sinks(self, scores: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
+        """Puts the sinks first, best SnapKV rank first; a row forces at most sink_share x its budget of them (the
+        others keep their LUT score), so short contexts keep room for the query's own top-k."""
         heads = scores.shape[1]
         rep = heads // self.sink_positions.shape[1]
         positions = self.sink_positions.long().repeat_interleave(rep, dim=1)
         rank = self.sink_rank.long().repeat_interleave(rep, dim=1)
-        used = positions < _SENTINEL
+        cap = torch.floor(budgets.to(torch.float64) * self.sink_share).long()  # [B, Q]
+        used = (positions < _SENTINEL)[:, :, None] & (
+            rank[:, :, None] < cap[:, None, :, None]
+        )  # [B, S, Q, K]
         boost = (_SINK_BASE + (positions.shape[-1] - rank)).to(scores.dtype)
         index = positions.clamp(max=scores.shape[-1] - 1)[:, :, None].expand(-1, -1, scores.shape[2], -1)
         current = scores.gather(-1, index)
-        return scores.scatter(
-            -1, index, torch.where(used[:, :, None], boost[:, :, None].expand_as(current), current)
-        )
+        return scores.scatter(-1, index, torch.where(used, boost[:, :, None].expand_as(current), current))
 
     def select(self, step: DecodeStep) -> Selection:
         """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
