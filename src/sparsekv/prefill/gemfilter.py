@@ -707,7 +707,14 @@ def register(app) -> None:
 
         if sum(x is not None for x in (prompt, prompt_file, needle_context)) != 1:
             raise UserError("give exactly one of --prompt, --prompt-file, --needle-context")
-        layer = None if filter_layer is None else parse_count_or_fraction(filter_layer, "--filter-layer")
+        layer = None
+        if filter_layer is not None:
+            try:
+                layer = parse_count_or_fraction(filter_layer, "--filter-layer")
+            except ConfigError:
+                raise ConfigError(
+                    f"--filter-layer must be a layer index or a fraction of the depth like 0.4, got {filter_layer!r}"
+                ) from None
         options = {
             "keep": parse_count_or_fraction(keep, "--keep"),
             "filter_layer": layer,
