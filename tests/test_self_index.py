@@ -352,7 +352,7 @@ def test_cache_memory_report_on_a_model(tiny):
     from sparsekv.cache import SparseCache
 
     ids = ids_for(tiny, 1, 300, seed=11)
-    config = SparseConfig(method="self-index", dense_layers=(), options={"sink_tokens": 4})
+    config = SparseConfig(method="self-index", dense_layers=(), options={"sink_tokens": 4, "residual": 32})
     cache = SparseCache.for_model(tiny, config)
     import sparsekv
 
