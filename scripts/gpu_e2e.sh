@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device run for issue 9: the e2e fast-path check, then every acceptance configuration of `sparsekv bench e2e`
 # (dense vs method in one process per config); JSON per config + log in $OUT, a short table last.
-# Usage (device tool): bash scripts/gpu_e2e.sh [full|short|spotlight|profile]
+# Usage (device tool): bash scripts/gpu_e2e.sh [full|short|spotlight|self-index|profile]
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

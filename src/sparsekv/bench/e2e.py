@@ -605,6 +605,13 @@ def device_suite(out_dir: str, plan: str = "full") -> list[dict]:
             del net
             _free(torch.device("cuda"))
         return results
+    if plan == "self-index":  # the self-index TPOT / memory row alone
+        net = build_model("llama3-8b-random", layers=fit_layers(8, 131072))
+        e2e("self-index_128k_b8", net, 131072, 8, "self-index", profile=True)
+        del net
+        _free(torch.device("cuda"))
+        attempt("greedy_match", greedy_match, new_tokens=12)
+        return results
     if plan == "spotlight":  # the TPOT acceptance rows only, plus the GPU-vs-CPU greedy check
         net = build_model("llama3-8b-random", layers=fit_layers(8, 131072))
         e2e("spotlight_128k_b8", net, 131072, 8, "spotlight", profile=True)
