@@ -373,3 +373,23 @@ def test_cli_command_is_registered():
     app = typer.Typer()
     register(app)
     assert any(c.name == "cache-memory" for c in app.registered_commands)
+
+
+@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"kv_bits": 16}])
+def test_device_top_k_path_selects_what_the_sorted_rule_selects(options):
+    """Uniform steps on a GPU take torch.topk (no full sort, no host sync); the chosen set is the stable-sort rule's
+    (random scores: no ties at the threshold). Run here on CPU by calling the device path directly."""
+    from sparsekv.selectors.base import DecodeStep, StepHints, to_selection_heads
+
+    gen = torch.Generator().manual_seed(21)
+    keys, values = torch.randn(2, 3, 300, 64, generator=gen), torch.randn(2, 3, 300, 64, generator=gen)
+    query = torch.randn(2, 9, 300, 64, generator=gen)
+    sel = prefilled(selector(**options), keys, values, query)
+    visible = torch.ones(2, 1, 300, dtype=torch.bool)
+    step = DecodeStep(query=query[:, :, -1:], keys=keys[..., :0], values=values[..., :0], visible=visible,
+                      forced=torch.zeros_like(visible), budgets=torch.full((2, 1), 30), layer=sel.layer,
+                      gqa="group", hints=StepHints(max_budget=30, uniform=True))  # fmt: skip
+    expected = sel.select(step).to_mask(300)
+    scores = to_selection_heads(sel.score(step), step).float()
+    fast = sel._select_uniform_device(step, scores, 30)
+    assert fast.valid.all() and torch.equal(fast.to_mask(300), expected)

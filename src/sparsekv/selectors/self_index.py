@@ -96,7 +96,17 @@ def codes_from_sign_bits(words: torch.Tensor, head_dim: int) -> torch.Tensor:
     g = torch.arange(groups, device=words.device)
     word = words[..., g // 8]
     nibble = (word >> (4 * (g % 8)).to(torch.int32)) & 0xF
-    return _BITREV4.to(words.device)[nibble.long()]
+    return _bitrev4(words.device)[nibble.long()]
+
+
+_BITREV4_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _bitrev4(device: torch.device) -> torch.Tensor:
+    """_BITREV4 on `device`, copied once (a host-to-device copy per step would also break CUDA graph capture)."""
+    if device not in _BITREV4_ON:
+        _BITREV4_ON[device] = _BITREV4.to(device)
+    return _BITREV4_ON[device]
 
 
 def one_pass_centroids(
@@ -498,7 +508,7 @@ class SelfIndexSelector(TokenSelector):
         layer = step.layer
         if step.gqa == "group" and step.query.dtype != torch.float64:
             # the kernels' op (group-summed, Triton on CUDA) indexes centroids by the raw nibble of the packed bits
-            by_nibble = self.centroids.index_select(3, _BITREV4.to(self.centroids.device).long())
+            by_nibble = self.centroids.index_select(3, _bitrev4(self.centroids.device).long())
             scores = kernel_lut_scores(step.query, by_nibble, self._store.view("sign_bits"))
         else:
             work = torch.float64 if self.centroids.dtype == torch.float64 else torch.float32
@@ -535,6 +545,8 @@ class SelfIndexSelector(TokenSelector):
         visible = step.visible[:, None]
         scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
         k_max = step.max_budget()
+        if step.uniform and scores.device.type != "cpu":
+            return self._select_uniform_device(step, scores, k_max)
         if self.rescore > 0:
             scores = self._rescored(step, scores, k_max)
         ranked = scores.sort(dim=-1, descending=True, stable=True)
@@ -542,6 +554,23 @@ class SelfIndexSelector(TokenSelector):
         ranks = torch.arange(k_max, device=scores.device)
         valid = (ranks < step.budgets[:, None, :, None]) & (values > float("-inf"))
         return Selection(indices=indices, valid=valid)
+
+    def _select_uniform_device(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> Selection:
+        """`select` on a uniform device step (every row keeps k_max of all N keys): top-k instead of a full stable
+        sort of the N scores (twice with the re-rank), and the re-rank ranks its candidate list directly. The set
+        equals the CPU rule's up to how torch.topk orders equal scores; no host sync, so the step can be captured
+        in a CUDA graph."""
+        if self.rescore > 0:
+            first, index = scores.topk(min(scores.shape[-1], self.rescore * k_max), dim=-1, sorted=False)
+            fine = self._candidate_scores(step, index)
+            second = torch.where(first >= _SINK_BASE, first, fine).masked_fill(
+                first == float("-inf"), float("-inf")
+            )
+            values, pick = second.topk(k_max, dim=-1, sorted=False)
+            indices = index.gather(-1, pick)
+        else:
+            values, indices = scores.topk(k_max, dim=-1, sorted=False)
+        return Selection(indices=indices, valid=values > float("-inf"))
 
     def _rescored(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> torch.Tensor:
         """Second stage: the LUT's best `rescore` x budget tokens of each row are re-ranked by q . K read from the
