@@ -86,7 +86,8 @@ _PATTERN_SIGNS = torch.tensor([[1.0 if (c >> (3 - i)) & 1 else -1.0 for i in ran
 def sign_codes(x: torch.Tensor) -> torch.Tensor:
     """x [..., d] (d % 4 == 0) -> uint8 [..., d/4]: Code = sum_i [x_i > 0] * 2^(3-i) per group of 4 channels."""
     bits = (x > 0).to(torch.uint8).unflatten(-1, (-1, GROUP_DIMS))
-    weights = torch.tensor([8, 4, 2, 1], dtype=torch.uint8, device=x.device)
+    # built on the device (no host-to-device copy: decode steps must be capturable in a CUDA graph)
+    weights = (1 << torch.arange(GROUP_DIMS - 1, -1, -1, device=x.device)).to(torch.uint8)
     return (bits * weights).sum(-1, dtype=torch.uint8)
 
 
