@@ -218,7 +218,7 @@ def quantize(
     scale = ((hi - zero.to(x.dtype)) / levels).to(torch.float16)
     scale = torch.where(
         (scale.to(x.dtype) * levels + zero.to(x.dtype)) < hi,
-        torch.nextafter(scale, scale.new_tensor(math.inf)),
+        torch.nextafter(scale, torch.full_like(scale, math.inf)),  # full_like: no host copy (graph capture)
         scale,
     )
     safe = torch.where(scale > 0, scale.to(x.dtype), torch.ones_like(hi))
