@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--ppl-context", type=int, default=4096)
     parser.add_argument("--prefix", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=512)
-    parser.add_argument("--ppl-configs", default="0.1:group,0.02:group,0.02:head")
+    parser.add_argument("--ppl-configs", default="0.1:group,0.02:group,0.02:head",
+                        help="comma-separated budget:gqa[:sink:local] (sink/local tokens count inside the budget)")
     parser.add_argument("--skip-iou", action="store_true")
     parser.add_argument("--skip-ppl", action="store_true")
     parser.add_argument("--output", default=None)
@@ -127,9 +128,11 @@ def main() -> None:
         ids = token_windows(tok, held, args.ppl_context, args.ppl_windows)
         runs = [("dense", SparseConfig(method="dense"))]
         for item in args.ppl_configs.split(","):
-            budget, gqa = item.split(":")
-            runs.append((f"spotlight@{budget}:{gqa}", SparseConfig(
-                method="spotlight", budget=float(budget), gqa=gqa, options={"checkpoint": args.checkpoint})))
+            budget, gqa, *forced = item.split(":")  # budget:gqa[:sink:local]
+            sink, local = (int(forced[0]), int(forced[1])) if forced else (0, 0)
+            runs.append((f"spotlight@{item}", SparseConfig(
+                method="spotlight", budget=float(budget), gqa=gqa, sink=sink, local=local,
+                options={"checkpoint": args.checkpoint})))
         ppl = {}
         for name, config in runs:
             t0 = time.perf_counter()
