@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--ppl-configs", default="0.1:group,0.02:group,0.02:head",
                         help="comma-separated budget:gqa[:sink:local] (sink/local tokens count inside the budget)")
+    parser.add_argument("--ppl-split", choices=("held", "train"), default="held")
     parser.add_argument("--skip-iou", action="store_true")
     parser.add_argument("--skip-ppl", action="store_true")
     parser.add_argument("--output", default=None)
@@ -82,7 +83,7 @@ def main() -> None:
     ckpt = load_checkpoint(args.checkpoint)
     linear = load_checkpoint(args.linear_checkpoint) if args.linear_checkpoint else None
     layers = sorted(ckpt.layers)
-    _, held = haystack_split(ckpt.header["training"].get("holdout_fraction", 0.2))
+    train_text, held = haystack_split(ckpt.header["training"].get("holdout_fraction", 0.2))
     result: dict = {"checkpoint": args.checkpoint, "budget": args.budget, "layers": layers}
 
     if not args.skip_iou:
@@ -125,7 +126,8 @@ def main() -> None:
         print("IoU mean", json.dumps(mean, indent=1), flush=True)
 
     if not args.skip_ppl:
-        ids = token_windows(tok, held, args.ppl_context, args.ppl_windows)
+        # --ppl-split train: a window of the hash's training text, for choosing settings without the held-out text
+        ids = token_windows(tok, held if args.ppl_split == "held" else train_text, args.ppl_context, args.ppl_windows)
         runs = [("dense", SparseConfig(method="dense"))]
         for item in args.ppl_configs.split(","):
             budget, gqa, *forced = item.split(":")  # budget:gqa[:sink:local]
