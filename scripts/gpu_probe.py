@@ -22,6 +22,23 @@ K = int(0.02 * N)
 q = torch.randn(B, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
 w = [torch.randn(HKV, D, D, device=dev, generator=gen) * D**-0.5 for _ in range(3)]
 b1 = torch.zeros(HKV, D, device=dev)
+
+
+def hash_launch(x, ws, bias, prec, bm, warps, key_bias):
+    """One `_sign_hash_kernel` launch over x [B, H, M, D] with explicit precision / rows per program / warps (the
+    wrapper picks these itself; the probe sweeps them)."""
+    heads, m = x.shape[1], x.shape[2]
+    out = torch.empty(B, heads, m, 4, dtype=torch.int32, device=dev)
+    rows = heads // HKV * m  # rows of one kv head's group
+    sh._sign_hash_kernel[(triton.cdiv(rows, bm), B * HKV)](
+        x, ws[0], ws[1], bias, ws[2], bias, out, rows, HKV, heads * m * D, rows * D, D,
+        ws[0].stride(0), ws[0].stride(1), ws[1].stride(0), ws[1].stride(1),
+        D=D, HID=D, BITS=128, MLP=True, BIAS=True, RESID=True, BIAS2=key_bias, PREC=prec, BM=bm,
+        num_warps=warps,
+    )  # fmt: skip
+    return out
+
+
 if "hash" in SECTIONS:
     for name, dt, prec in (
         ("fp32 tf32x3", torch.float32, "tf32x3"),
@@ -30,43 +47,11 @@ if "hash" in SECTIONS:
         ("bf16", torch.bfloat16, "tf32"),
     ):
         ws = [t.to(dt) for t in w]
-        orig = sh._sign_hash_kernel.fn if hasattr(sh._sign_hash_kernel, "fn") else None
-        us = {}
-        for warps in (4, 8):
-
-            def run(i, ws=ws, warps=warps, prec=prec):
-                out = torch.empty(B, HQ, 1, 4, dtype=torch.int32, device=dev)
-                sh._sign_hash_kernel[(1, B * HKV)](
-                    q,
-                    ws[0],
-                    ws[1],
-                    b1.to(ws[0].dtype),
-                    ws[2],
-                    b1.to(ws[0].dtype),
-                    out,
-                    4,
-                    HKV,
-                    HQ * D,
-                    4 * D,
-                    D,
-                    ws[0].stride(0),
-                    ws[0].stride(1),
-                    ws[1].stride(0),
-                    ws[1].stride(1),
-                    D=D,
-                    HID=D,
-                    BITS=128,
-                    MLP=True,
-                    BIAS=True,
-                    RESID=True,
-                    BIAS2=False,
-                    PREC=prec,
-                    BM=16,
-                    num_warps=warps,
-                )
-                return out
-
-            us[warps] = graph_us(run, 4)
+        us = {
+            warps: graph_us(lambda i, ws=ws, dt=dt, prec=prec, warps=warps:
+                            hash_launch(q, ws, b1.to(dt), prec, 16, warps, False), 4)
+            for warps in (4, 8)
+        }  # fmt: skip
         print(
             f"sign_hash q [{B},{HQ},1,{D}] {name}: "
             + ", ".join(f"{w_} warps {u:.1f} us" for w_, u in us.items()),
@@ -75,45 +60,10 @@ if "hash" in SECTIONS:
 
     # prompt keys: one layer's 128K x B8 keys through the same kernel (rows per program = BM)
     keys = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16, generator=gen)
-    for bm, warps in ((16, 8), (64, 8), (128, 8)):
-
-        def run_keys(i, bm=bm, warps=warps):
-            out = torch.empty(B, HKV, N, 4, dtype=torch.int32, device=dev)
-            sh._sign_hash_kernel[(triton.cdiv(N, bm), B * HKV)](
-                keys,
-                w[0],
-                w[1],
-                b1,
-                w[2],
-                b1,
-                out,
-                N,
-                HKV,
-                HKV * N * D,
-                N * D,
-                D,
-                w[0].stride(0),
-                w[0].stride(1),
-                w[1].stride(0),
-                w[1].stride(1),
-                D=D,
-                HID=D,
-                BITS=128,
-                MLP=True,
-                BIAS=True,
-                RESID=True,
-                BIAS2=True,
-                PREC="tf32x3",
-                BM=bm,
-                num_warps=warps,
-            )
-            return out
-
+    for bm in (16, 64, 128):
         try:
-            print(
-                f"sign_hash prompt keys [{B},{HKV},{N},{D}] fp32 tf32x3 BM={bm}: {graph_us(run_keys, 1):.0f} us",
-                flush=True,
-            )
+            t = graph_us(lambda i, bm=bm: hash_launch(keys, w, b1, "tf32x3", bm, 8, True), 1)
+            print(f"sign_hash prompt keys [{B},{HKV},{N},{D}] fp32 tf32x3 BM={bm}: {t:.0f} us", flush=True)
         except Exception as error:  # noqa: BLE001
             print(f"BM={bm}: {type(error).__name__}: {str(error)[:200]}")
     from sparsekv.kernels.sign_hash import sign_hash_reference
