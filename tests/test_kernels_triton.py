@@ -108,6 +108,48 @@ def test_hamming_topk_exact_rule_triton(impl, n, k, recent, sink, local, bits, h
 
 
 @here
+@pytest.mark.parametrize(
+    "n,k,sink,local,bits,hq,hkv,tied",
+    [
+        (777, 37, 2, 3, 128, 8, 2, False),
+        (1500, 300, 0, 0, 128, 4, 1, True),  # most keys tie at one score
+        (600, 33, 1, 2, 1024, 2, 1, False),  # 3 radix levels behind the window
+        (500, 40, 0, 4, 16, 1, 1, False),  # range of 17 scores: one exact level, the hint is not used
+    ],
+)
+def test_hamming_topk_threshold_hint(impl, n, k, sink, local, bits, hq, hkv, tied):
+    """Any hint gives the reference's set, and the call leaves each row's exact threshold score in it, after
+    which the window holds the threshold (the pass that skips the radix levels)."""
+    from sparsekv.kernels.hamming import hamming_topk_reference
+
+    ham = impl["_hamming_triton"]
+    gen = torch.Generator().manual_seed(n + k)
+    w = (bits + 31) // 32
+    qc, kc = _codes((3, hq, 1, w), gen), _codes((3, hkv, n, w), gen)
+    if tied:
+        kc[:, :, 100:] = kc[:, :, :1]
+    ref = hamming_topk_reference(qc.cpu(), kc.cpu(), k, bits=bits, recent_first=True, sink=sink, local=local)
+    scores = hamming_scores_reference(qc.cpu(), kc.cpu(), bits=bits)
+    position = torch.arange(n)
+    g = hq // hkv
+    scores[..., (position < sink) | (position >= n - local)] = g * bits + 1
+    threshold = scores.topk(k, dim=-1).values[..., -1].flatten().to(torch.int32)
+    rows = threshold.numel()
+    starts = [-(2**31), 0, int(threshold[0]) + 40]  # windows at the top, the bottom, above the threshold
+    for start in starts:
+        hint = torch.full((rows,), start, dtype=torch.int32).to(DEV)
+        for _ in range(2):  # the second call starts from the exact threshold
+            got = ham.hamming_topk_triton(
+                qc, kc, k, bits=bits, recent_first=True, sink=sink, local=local, threshold_hint=hint
+            )
+            assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values), start
+            if bits * g + 1 >= 31:
+                assert torch.equal(hint.cpu(), threshold), start
+    with pytest.raises(ValueError, match="threshold_hint"):
+        ham.hamming_topk_triton(qc, kc, k, bits=bits, threshold_hint=torch.zeros(rows + 1, dtype=torch.int32))
+
+
+@here
 @pytest.mark.parametrize("n,k,lo", [(301, 17, 0), (1234, 200, -50)])
 def test_select_topk_int_triton(impl, n, k, lo):
     gen = torch.Generator().manual_seed(n)

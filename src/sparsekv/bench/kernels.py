@@ -74,6 +74,16 @@ def run_kernels(
             sel_bytes,
         )
     )
+    hints = [torch.zeros(rows_kv, dtype=torch.int32, device=dev) for _ in range(L)]
+    for i in range(L):  # a previous step leaves each layer's threshold as the window's centre
+        ham.hamming_select(ham.hamming_score_hist(qc[i], kc[i], bits=bits, threshold_hint=hints[i]), k)
+    windowed = [ham.hamming_score_hist(qc[i], kc[i], bits=bits, threshold_hint=hints[i]) for i in range(L)]
+    out.append(Row("select, threshold inside the window (compaction only)", f"{rows_kv} rows x {n}, k={k}",
+                   graph_us(lambda i: ham.hamming_select(windowed[i], k), L), sel_bytes))  # fmt: skip
+    out.append(Row("  score + window histogram", "sweep",
+                   graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits, threshold_hint=hints[i]),
+                            L), code_bytes + rows_kv * n * 2))  # fmt: skip
+    windowed = None
     recent = [
         ham.hamming_score_hist(qc[i], kc[i], bits=bits, recent_first=True, sink=4, local=64) for i in range(L)
     ]

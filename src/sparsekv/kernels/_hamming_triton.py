@@ -22,9 +22,12 @@ from sparsekv.kernels._topk_triton import (
     packed_counts,
     radix_topk,
     use_packed,
+    window_base,
+    window_digit,
 )
 from sparsekv.kernels._triton import next_pow2
 
+WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
 # launch parameters of the scorer (the kernel benchmark sweeps them)
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 16}
 
@@ -35,6 +38,8 @@ def _hamming_kernel(
     k_ptr,
     out_ptr,
     hist_ptr,
+    hint_ptr,
+    base_ptr,
     N,
     Q,
     HKV,
@@ -66,6 +71,8 @@ def _hamming_kernel(
     USE_POPC: tl.constexpr,
     REVERSE: tl.constexpr,
     PACKED: tl.constexpr,
+    WINDOW: tl.constexpr = False,
+    HSLOT: tl.constexpr = 0,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
@@ -83,6 +90,9 @@ def _hamming_kernel(
         h = tl.zeros([1 << NBITS], dtype=tl.int32)
         if PACKED:
             acc = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        if WINDOW:  # width-1 bins around the row's previous threshold (see _topk_triton.window_base)
+            base = window_base(tl.load(hint_ptr + r), forced_score, NBITS)
+            tl.store(base_ptr + r, base, mask=c == 0)
     for i in range(blocks_per_chunk):
         offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
         nmask = offs < N
@@ -107,24 +117,28 @@ def _hamming_kernel(
         score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
         tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
         if HIST:
+            if WINDOW:
+                shift = 0
+                key = window_digit(score, base, NBITS).to(tl.uint32)
+            else:
+                shift = NBITS * (LEVELS - 1)
+                key = score.to(tl.uint32, bitcast=True)
             if PACKED:
-                digit, ok = level_digit(
-                    score.to(tl.uint32, bitcast=True), nmask, 0, NBITS * (LEVELS - 1), NBITS, True
-                )
+                digit, ok = level_digit(key, nmask, 0, shift, NBITS, True)
                 acc = packed_add(acc, digit, ok)
             else:
-                h += digit_histogram(
-                    score.to(tl.uint32, bitcast=True), nmask, 0, NBITS * (LEVELS - 1), NBITS, True, ONEHOT
-                )
+                h += digit_histogram(key, nmask, 0, shift, NBITS, True, ONEHOT)
     if HIST:
         if PACKED:
             h = packed_counts(acc)
-        tl.store(hist_ptr + (r.to(tl.int64) * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
+        row = HSLOT * tl.num_programs(1) + r.to(tl.int64)
+        tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
-def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0):
-    """radix=(levels, nbits): also write the level-0 radix histograms. Forced (sink/local) keys score
-    bits * g + 1; `reverse` stores the scores newest key first."""
+def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
+    """radix=(levels, nbits): also write the level-0 radix histograms, or with `hint` ([rows] int32, each row's
+    previous threshold) the threshold-window histogram instead. Forced (sink/local) keys score bits * g + 1;
+    `reverse` stores the scores newest key first."""
     b, hq, q, w = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     g = hq // hkv
@@ -141,16 +155,22 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
     num_chunks, bpc = chunking(
         rows, n, block, key_codes.device, max_chunks=max_chunks(nbits), progs_per_sm=TUNE["progs_per_sm"]
     )
+    window = radix is not None and hint is not None
     if radix is not None:
-        # level 0 of the radix select is written here; later levels by _topk_triton
-        hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=key_codes.device)
+        # level 0 of the radix select (or the window, stored after the levels) is written here; the rest by
+        # _topk_triton
+        slots = levels + 1 if window else levels
+        hist = torch.empty(slots, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=key_codes.device)
     else:
         hist = out  # unused
+    base = torch.empty(rows, dtype=torch.int32, device=key_codes.device) if window else None
     _hamming_kernel[(num_chunks, rows)](
         query_codes,
         key_codes,
         out,
         hist,
+        hint if window else out,
+        base if window else out,
         n,
         q,
         hkv,
@@ -176,9 +196,11 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         USE_POPC=key_codes.is_cuda,
         REVERSE=reverse,
         PACKED=radix is not None and use_packed(nbits, bpc, scorer=True),
+        WINDOW=window,
+        HSLOT=levels if window else 0,
         num_warps=TUNE["num_warps"],
     )
-    return out, hist, num_chunks, bpc, block
+    return out, hist, num_chunks, bpc, block, base
 
 
 def hamming_scores_triton(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
@@ -197,11 +219,15 @@ def hamming_topk_triton(
     recent_first: bool = False,
     sink: int = 0,
     local: int = 0,
+    threshold_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused scoring + histogram, then threshold + compaction: [B, Hkv, Q, k] int64 (unordered)."""
+    """Fused scoring + histogram, then threshold + compaction: [B, Hkv, Q, k] int64 (unordered).
+
+    threshold_hint: see `hamming_score_hist`; the result does not depend on it."""
     state = hamming_score_hist(
-        query_codes, key_codes, bits=bits, recent_first=recent_first, sink=sink, local=local
-    )
+        query_codes, key_codes, bits=bits, recent_first=recent_first, sink=sink, local=local,
+        threshold_hint=threshold_hint,
+    )  # fmt: skip
     return hamming_select(state, k)
 
 
@@ -218,6 +244,8 @@ class ScoreState:
     levels: int
     nbits: int
     reverse: bool
+    window: tuple[torch.Tensor, int] | None = None  # (each row's window base, top score)
+    hint: torch.Tensor | None = None
 
 
 def hamming_score_hist(
@@ -228,21 +256,37 @@ def hamming_score_hist(
     recent_first: bool = False,
     sink: int = 0,
     local: int = 0,
+    threshold_hint: torch.Tensor | None = None,
 ) -> ScoreState:
     """Stage 1 of hamming_topk (exposed for stage timings): scores + level-0 histograms.
 
     recent_first: equal scores go to the more recent key (the selectors' rule); sink/local: the first `sink` and
-    last `local` keys are always selected (they must fit in k)."""
+    last `local` keys are always selected (they must fit in k).
+
+    threshold_hint: int32 [B * Hkv * Q] (contiguous), each row's threshold score of the previous call, updated in
+    place by `hamming_select`. The first histogram then has one bin per score around it. Consecutive decode steps
+    of a layer have close thresholds, and when the new one falls inside the window the second radix pass over
+    the scores is skipped (its kernels still launch and exit at once: no host sync). The selection is exact
+    either way; any int32 contents are valid."""
     from sparsekv.kernels.hamming import _check
 
     _, g = _check(query_codes, key_codes)
     top = g * bits + (1 if sink or local else 0)
     levels, nbits = int_levels(top + 1)
     dtype = torch.int16 if top < 2**15 else torch.int32
-    scores, hist, num_chunks, bpc, block = _launch(
-        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=recent_first, sink=sink, local=local
-    )
-    return ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, recent_first)
+    if threshold_hint is not None:
+        rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
+        if (threshold_hint.dtype != torch.int32 or threshold_hint.shape != (rows,)
+                or threshold_hint.device != key_codes.device):  # fmt: skip
+            raise ValueError(f"threshold_hint must be int32 [{rows}] on {key_codes.device}")
+        if nbits != WINDOW_BITS:
+            threshold_hint = None  # ranges under 32 scores: one radix level is already exact
+    scores, hist, num_chunks, bpc, block, base = _launch(
+        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=recent_first, sink=sink, local=local,
+        hint=threshold_hint,
+    )  # fmt: skip
+    window = None if threshold_hint is None else (base, g * bits + 1)
+    return ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, recent_first, window, threshold_hint)
 
 
 def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
@@ -250,7 +294,7 @@ def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
     scores = state.scores
     out = radix_topk(
         scores.view(-1, scores.shape[-1]), k, lo=0, levels=state.levels, nbits=state.nbits, is_float=False,
-        block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist, first_done=True,
-        reverse=state.reverse,
+        block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist,
+        first_done=state.window is None, reverse=state.reverse, window=state.window, hint=state.hint,
     )  # fmt: skip
     return out.view(*scores.shape[:-1], k)

@@ -61,6 +61,34 @@ def derive_threshold(
     return prefix, k_rem, gt_chunk, eq_chunk
 
 
+@triton.jit
+def window_base(hint, top, NBITS: tl.constexpr):
+    """First value of a threshold window: the 2**NBITS bins hold one score each from base + 1 to base + bins - 2
+    (bin 0: every score <= base, the last bin: every score >= base + bins - 1), centred on `hint` (the row's
+    previous threshold) and kept inside [0, top]."""
+    NB: tl.constexpr = 1 << NBITS
+    return tl.minimum(tl.maximum(hint - NB // 2, 0), tl.maximum(top - (NB - 1), 0))
+
+
+@triton.jit
+def window_digit(score, base, NBITS: tl.constexpr):
+    return tl.minimum(tl.maximum(score.to(tl.int32) - base, 0), (1 << NBITS) - 1)
+
+
+@triton.jit
+def window_threshold(hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS: tl.constexpr,
+                     NBITS: tl.constexpr, CP: tl.constexpr):  # fmt: skip
+    """derive_threshold over the window histogram (stored after the LEVELS radix levels), with its base and
+    whether the threshold bin holds a single score (then it is exact and the radix levels are not needed)."""
+    NB: tl.constexpr = 1 << NBITS
+    base = tl.load(base_ptr + r)
+    t, k_rem, gt_chunk, eq_chunk = derive_threshold(
+        hist_ptr + LEVELS * num_rows * num_chunks * NB, r, num_rows, num_chunks, k, 1, NBITS, CP
+    )
+    exact = ((t >= 1) & (t <= NB - 2)) | ((t == 0) & (base == 0)) | ((t == NB - 1) & (base + NB - 1 >= top))
+    return t, k_rem, gt_chunk, eq_chunk, base, exact
+
+
 # how level histograms are built (the kernel benchmark and scripts/gpu_probe.py sweep this):
 # - "packed": the scorer's level-0 histogram keeps per-lane byte counters, 4 bins per int32, in a [BLOCK, 8]
 #   register tile (about 25 instructions per key), reduced across lanes once per program; later levels use
@@ -150,9 +178,29 @@ def _hist_kernel(
     ONEHOT: tl.constexpr,
     PACKED: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
+    base_ptr=None,
+    top=0,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
+    if WINDOW:  # the radix levels run only for rows whose threshold fell outside the window
+        _t, _k, _g, _e, _b, exact = window_threshold(
+            hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
+        )
+        needed = exact == 0
+    else:
+        needed = True
+    if needed:
+        _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
+                    LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK, ONEHOT, PACKED, PREFETCH)  # fmt: skip
+
+
+@triton.jit
+def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
+                LEVEL: tl.constexpr, LEVELS: tl.constexpr, NBITS: tl.constexpr, CP: tl.constexpr,
+                IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, ONEHOT: tl.constexpr, PACKED: tl.constexpr,
+                PREFETCH: tl.constexpr):  # fmt: skip
     if LEVEL > 0:
         prefix, _k, _g, _e = derive_threshold(hist_ptr, r, num_rows, num_chunks, k, LEVEL, NBITS, CP)
     else:
@@ -219,12 +267,27 @@ def _compact_kernel(
     BRANCH: tl.constexpr,
     REVERSE: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
+    base_ptr=None,
+    hint_ptr=None,
+    top=0,
 ):
     c = tl.program_id(0)
     r = tl.program_id(1)
-    thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
-        hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
-    )
+    if WINDOW:
+        thr, need_eq, gt_chunk, eq_chunk, base, exact = window_threshold(
+            hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
+        )
+        if exact == 0:
+            thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
+                hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
+            )
+        # the next decode step centres its window on this threshold (as a score)
+        tl.store(hint_ptr + r, tl.where(exact, base + thr, thr + lo), mask=c == 0)
+    else:
+        thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
+            hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
+        )
     thr = thr.to(tl.uint32, bitcast=True)
     chunks = tl.arange(0, CP)
     cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
@@ -254,6 +317,8 @@ def _compact_kernel(
         else:
             raw = tl.load(row_ptr + offs, mask=nmask, other=0)
         key = _key(raw, lo, IS_FLOAT)
+        if WINDOW:
+            key = tl.where(exact, window_digit(raw, base, NBITS).to(tl.uint32), key)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
         # REVERSE: the scores were stored newest key first; report the keys' own positions
@@ -317,10 +382,14 @@ def use_packed(nbits: int, tiles_per_program: int, scorer: bool = False) -> bool
     return HIST_MODE["mode"] in modes and nbits == 5 and tiles_per_program <= PACKED_MAX_TILES
 
 
-def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False):
+def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
+                 window=None):  # fmt: skip
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
-    Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the same split as the histograms."""
+    Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the same split as the histograms.
+    window=(base [R] int32, top): the scorer wrote a threshold-window histogram after the levels; the levels
+    then run only for the rows whose threshold it did not pin down (launched for every row: no host sync)."""
     rows, n = src.shape
+    base, top = window if window is not None else (None, 0)
     if hist is None:
         hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=src.device)
     chunk_len = bpc * block
@@ -330,14 +399,17 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             src, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
-            PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"], num_warps=4,
+            PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"],
+            WINDOW=window is not None, base_ptr=base, top=top, num_warps=4,
         )  # fmt: skip
     return hist
 
 
-def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False):
+def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False,
+                  window=None, hint=None):  # fmt: skip
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
-    (`reverse`: src holds the keys newest first, and N - 1 - position comes out)."""
+    (`reverse`: src holds the keys newest first, and N - 1 - position comes out). With `window` (see
+    radix_levels) each row's threshold score is written to `hint` [R] int32 for the next call."""
     rows, n = src.shape
     chunk_len = bpc * block
     sb = _sblock(chunk_len)
@@ -349,13 +421,15 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
         src, out, hist, cnt, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
         ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, PREFETCH=PREFETCH["on"],
-        num_warps=4,
+        WINDOW=window is not None, base_ptr=window[0] if window else None, hint_ptr=hint,
+        top=window[1] if window else 0, num_warps=4,
     )  # fmt: skip
     return out
 
 
 def radix_topk(
-    src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, reverse=False
+    src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, reverse=False,
+    window=None, hint=None,
 ):
     """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64."""
     kw = {
@@ -367,8 +441,8 @@ def radix_topk(
         "num_chunks": num_chunks,
         "bpc": bpc,
     }
-    hist = radix_levels(src, k, hist=hist, first_done=first_done, **kw)
-    return radix_compact(src, k, hist, reverse=reverse, **kw)
+    hist = radix_levels(src, k, hist=hist, first_done=first_done, window=window, **kw)
+    return radix_compact(src, k, hist, reverse=reverse, window=window, hint=hint, **kw)
 
 
 def _rows(scores: torch.Tensor) -> torch.Tensor:

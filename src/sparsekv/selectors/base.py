@@ -217,23 +217,46 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
     )
 
 
+class ThresholdHints:
+    """A selector's int32 buffer of each row's last Hamming top-k threshold: the fused select centres its first
+    histogram on it (a speed hint; results never depend on it). Allocated outside CUDA graph capture only, so a
+    captured step reads and updates the same buffer on every replay."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def get(self, rows: int, device: torch.device) -> torch.Tensor | None:
+        buf = self.buffer
+        if buf is None or buf.numel() != rows or buf.device != device:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            self.buffer = buf = torch.zeros(rows, dtype=torch.int32, device=device)
+        return buf
+
+
 def fused_hamming_selection(
-    query_codes: Callable[[], torch.Tensor], key_codes: torch.Tensor, bits: int, step: DecodeStep
+    query_codes: Callable[[], torch.Tensor],
+    key_codes: torch.Tensor,
+    bits: int,
+    step: DecodeStep,
+    hints: ThresholdHints | None = None,
 ) -> Selection | None:
     """Device fast path of a Hamming top-k on a uniform step with group-summed GQA: scoring, sink/local forcing,
     ties to the more recent key and the sort-free select in the fused kernels (no score tensor round trips, no
     host sync). The chosen set is the CPU rule's. None where it does not apply (the caller runs its own rule);
-    `query_codes` is called only when it does."""
+    `query_codes` is called only when it does. `hints`: the selector's thresholds of its previous step."""
     from sparsekv.kernels._triton import use_triton
 
     if key_codes.device.type == "cpu" or not step.uniform or not use_triton(key_codes):
         return None
     if step.gqa != "group" and step.layer.group_size > 1:
         return None
-    return _fused_hamming_core(query_codes(), key_codes, bits, step)
+    return _fused_hamming_core(query_codes(), key_codes, bits, step, hints)
 
 
-def _fused_hamming_core(query_codes, key_codes, bits: int, step: DecodeStep) -> Selection:
+def _fused_hamming_core(
+    query_codes, key_codes, bits: int, step: DecodeStep, threshold_hints: ThresholdHints | None = None
+) -> Selection:
     """`fused_hamming_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
     from sparsekv.kernels._hamming_triton import hamming_topk_triton
 
@@ -250,6 +273,9 @@ def _fused_hamming_core(query_codes, key_codes, bits: int, step: DecodeStep) -> 
         recent_first=True,
         sink=hints.sink,
         local=hints.local,
+        threshold_hint=None
+        if threshold_hints is None
+        else threshold_hints.get(b * key_codes.shape[1] * q, key_codes.device),
     )
     return Selection(
         indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device)

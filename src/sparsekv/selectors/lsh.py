@@ -20,6 +20,7 @@ from sparsekv.kernels.hamming import hamming_scores
 from sparsekv.selectors.base import (
     DecodeStep,
     Selection,
+    ThresholdHints,
     TokenSelector,
     fused_hamming_selection,
     to_selection_heads,
@@ -134,6 +135,7 @@ class LSHSelector(TokenSelector):
             raise ConfigError("lsh seed must be an int")
 
     def __post_init__(self) -> None:
+        self.threshold_hints = ThresholdHints()
         self.projection = projection_matrix(
             self.layer.head_dim, self.bits, self.variant, self.seed * 100_003 + self.layer.layer_idx
         )
@@ -174,6 +176,7 @@ class LSHSelector(TokenSelector):
     def select(self, step: DecodeStep) -> Selection:
         self._sync(step)
         query_codes = lambda: hash_codes(step.query, self.projection)
-        if (fast := fused_hamming_selection(query_codes, self.key_codes.view(), self.bits, step)) is not None:
+        fast = fused_hamming_selection(query_codes, self.key_codes.view(), self.bits, step, self.threshold_hints)
+        if fast is not None:
             return fast
         return code_selection(query_codes(), self.key_codes.view(), self.bits, step)

@@ -48,6 +48,7 @@ from sparsekv.selectors.base import (
     DecodeStep,
     LayerInfo,
     Selection,
+    ThresholdHints,
     TokenSelector,
     fused_hamming_selection,
     int_topk_selection,
@@ -344,6 +345,7 @@ class SpotlightSelector(TokenSelector):
             check_fingerprint(read_header(ckpt)["fingerprint"], model, f"spotlight checkpoint {ckpt!r}")
 
     def __post_init__(self) -> None:
+        self.threshold_hints = ThresholdHints()
         self.hash_fn = copy.deepcopy(
             resolve_hash(self.layer, self.checkpoint, self.bits, self.hash, self.seed)
         )
@@ -441,7 +443,8 @@ class SpotlightSelector(TokenSelector):
     def select(self, step: DecodeStep) -> Selection:
         keys = self.key_codes[..., : step.keys.shape[-2], :]
         query_codes = lambda: self._hash(step.query, "q")  # hashed only when the fast path runs
-        if (fast := fused_hamming_selection(query_codes, keys, self.code_bits, step)) is not None:
+        fast = fused_hamming_selection(query_codes, keys, self.code_bits, step, self.threshold_hints)
+        if fast is not None:
             return fast
         group = self.layer.group_size if step.gqa == "group" else 1
         return hamming_topk(self.score(step), step, value_range=(0, group * self.code_bits))
