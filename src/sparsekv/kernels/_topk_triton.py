@@ -278,12 +278,14 @@ def _compact_kernel(
         thr, need_eq, gt_chunk, eq_chunk, base, exact = window_threshold(
             hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
         )
-        if exact == 0:
+        if exact:  # the threshold bin holds the one score base + t: compare the keys with it directly
+            thr = base + thr - lo
+        else:
             thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
                 hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
             )
         # the next decode step centres its window on this threshold (as a score)
-        tl.store(hint_ptr + r, tl.where(exact, base + thr, thr + lo), mask=c == 0)
+        tl.store(hint_ptr + r, thr + lo, mask=c == 0)
     else:
         thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
             hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
@@ -317,8 +319,6 @@ def _compact_kernel(
         else:
             raw = tl.load(row_ptr + offs, mask=nmask, other=0)
         key = _key(raw, lo, IS_FLOAT)
-        if WINDOW:
-            key = tl.where(exact, window_digit(raw, base, NBITS).to(tl.uint32), key)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
         # REVERSE: the scores were stored newest key first; report the keys' own positions
