@@ -305,3 +305,95 @@ def test_compaction_atomic_mode(impl):
     assert torch.equal(outs["scan_nobranch"], ref)
     assert_topk_set(scores.cpu(), outs["atomic"], 333)
     assert torch.equal(outs["atomic"].sort(-1).values, ref.sort(-1).values)
+
+
+def _compressed_kv(gen, b, h, n, d, k_bits, channel_axis, midrise, zero, sinks, tail):
+    from sparsekv.kernels.compressed_kv import CompressedKV
+
+    def rnd_bytes(*shape):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+
+    def rnd_pos(*shape):
+        return (torch.rand(*shape, generator=gen) * 0.1 + 0.01).to(torch.float16)
+
+    rows, offset = (-(-(n + 5) // 16), 5) if channel_axis else (n, 0)
+    k_scale = rnd_pos(b, h, rows, d) if channel_axis else rnd_pos(b, h, n, d // 16)
+    kv = CompressedKV(
+        sign_bits=_codes((b, h, n, -(-d // 32)), gen).cpu(), k_mag=rnd_bytes(b, h, n, d * k_bits // 8),
+        k_scale=k_scale, k_zero=rnd_pos(*k_scale.shape) if zero else None, v=rnd_bytes(b, h, n, d * 2 // 8),
+        v_scale=rnd_pos(b, h, n, d // 32), v_zero=rnd_pos(b, h, n, d // 32) - 0.05,
+        mu=torch.randn(b, h, 1, d, generator=gen), alpha=torch.rand(b, h, 1, d, generator=gen) + 0.5,
+        k_bits=k_bits, v_bits=2, midrise=midrise, k_scale_tokens=16 if channel_axis else 1,
+        k_scale_offset=offset,
+    )  # fmt: skip
+    if sinks:
+        pos = torch.stack([torch.randperm(n, generator=gen)[:5].sort().values for _ in range(b * h)])
+        kv.sink_positions = torch.cat([pos, torch.full((b * h, 2), 2**31 - 1)], -1).view(b, h, 7).to(torch.int32)
+        kv.sink_keys = torch.randn(b, h, 7, d, generator=gen).to(torch.bfloat16)
+        kv.sink_values = torch.randn(b, h, 7, d, generator=gen).to(torch.bfloat16)
+    if tail:
+        kv.tail_first = n - 20
+        kv.tail_keys = torch.randn(b, h, 20, d, generator=gen).to(torch.bfloat16)
+        kv.tail_values = torch.randn(b, h, 20, d, generator=gen).to(torch.bfloat16)
+    for name, value in vars(kv).items():
+        if isinstance(value, torch.Tensor):
+            setattr(kv, name, value.to(DEV))
+    return kv
+
+
+@here
+@pytest.mark.parametrize(
+    "k_bits,channel_axis,midrise,zero,sinks,tail",
+    [(3, False, False, False, True, True), (2, False, False, True, False, False), (4, True, True, False, True, False),
+     (3, True, True, False, False, True)],
+)  # fmt: skip
+def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail):
+    """Dequant-on-gather re-rank scores and attention == the torch references (awkward sizes, every layout)."""
+    from sparsekv.kernels import _compressed_kv_triton as ck
+    from sparsekv.kernels.compressed_kv import compressed_attention_reference, compressed_key_scores_reference
+
+    gen = torch.Generator().manual_seed(k_bits * 10 + channel_axis)
+    b, h, g, n, d, q = 2, 2, 3, 301, 64, 2
+    kv = _compressed_kv(gen, b, h, n, d, k_bits, channel_axis, midrise, zero, sinks, tail)
+    index = torch.stack([torch.randperm(n, generator=gen)[:45] for _ in range(b * h * q)]).view(b, h, q, 45)
+    index[..., :3] = torch.tensor([n - 1, n - 15, 0])  # tail tokens (per query) and the first token
+    index = index.to(DEV)
+    tail_from = torch.tensor([n - 18, n - 5]).to(DEV)
+    qsum = torch.randn(b, h, q, d, generator=gen).to(DEV)
+    got = ck.compressed_key_scores_triton(qsum, kv, index, tail_from)
+    ref = compressed_key_scores_reference(qsum, kv, index, tail_from)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)
+
+    query = torch.randn(b, h * g, q, d, generator=gen).to(DEV)
+    valid = (torch.rand(b, h, q, 45, generator=gen) > 0.2).to(DEV)
+    valid[..., 0] = True
+    got = ck.compressed_attention_triton(query, kv, index, valid, 0.125, tail_from)
+    ref = compressed_attention_reference(query, kv, index, valid, 0.125, tail_from)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)
+
+
+@here
+@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0, "residual": 0}])
+def test_self_index_decode_step_on_kernels_equals_torch_path(options, monkeypatch):
+    """SelfIndexSelector's re-rank and attention through the compressed-cache kernels == its torch path."""
+    from sparsekv.selectors.base import DecodeStep, StepHints
+    from tests.test_self_index import prefilled, selector
+
+    gen = torch.Generator().manual_seed(5)
+    n0, extra, d = 290, 11, 64
+    keys, values = torch.randn(2, 3, n0 + extra, d, generator=gen), torch.randn(2, 3, n0 + extra, d, generator=gen)
+    query = torch.randn(2, 9, n0 + extra, d, generator=gen)
+    sel = prefilled(selector(**options), keys[:, :, :n0], values[:, :, :n0], query[:, :, :n0])
+    for t in range(n0, n0 + extra):  # decode tokens: the 16-bit tail
+        sel.store(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    n = n0 + extra
+    visible = torch.ones(2, 1, n, dtype=torch.bool)
+    step = DecodeStep(query=query[:, :, -1:], keys=keys[..., :0], values=values[..., :0], visible=visible,
+                      forced=torch.zeros_like(visible), budgets=torch.full((2, 1), 40), layer=sel.layer,
+                      gqa="group", hints=StepHints(max_budget=40, uniform=False))  # fmt: skip
+    picked = sel.select(step)
+    fast = sel.attend(step, picked, 0.125)
+    monkeypatch.setenv("SPARSEKV_DISABLE_TRITON", "1")
+    reference = sel.select(step)
+    assert torch.equal(picked.to_mask(n), reference.to_mask(n))
+    torch.testing.assert_close(fast, sel.attend(step, reference, 0.125), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,299 @@
+"""Triton kernels over the self-index compressed cache: each program gathers a block of listed tokens and
+dequantizes their K (sign bit x alpha x magnitude level x scale, + mu) and V (level x scale + zero) in registers,
+so only the selected tokens' bytes are read and nothing of the whole cache is materialized.
+
+* `compressed_key_scores_triton`: q . (K - mu) for candidate rows (the re-rank), one kv-head query per row.
+* `compressed_attention_triton`: split-K attention over the selected rows (GQA group shares each gathered row),
+  sinks and the query's newest tokens read from their 16-bit copies; merged by the split-K combine kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sparsekv.kernels._sparse_attention_triton import TUNE, _combine_kernel
+from sparsekv.kernels._triton import next_pow2
+
+
+@triton.jit
+def _centred_keys(sign_base, mag_base, scale_base, zero_base, idx, ok, c, cmask, alpha,
+                  s_sign, s_mag, s_scale, scale_offset, scale_rows,
+                  D: tl.constexpr, KBITS: tl.constexpr, MIDRISE: tl.constexpr, HAS_ZERO: tl.constexpr,
+                  SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr):  # fmt: skip
+    """K - mu [BLOCK, DP] float32 of the tokens idx [BLOCK] (int64)."""
+    m2 = ok[:, None] & cmask[None, :]
+    word = tl.load(sign_base + idx[:, None] * s_sign + (c // 32)[None, :], mask=m2, other=0)
+    sign = ((word >> (c % 32)[None, :]) & 1).to(tl.float32) * 2.0 - 1.0
+    row_mag = mag_base + idx[:, None] * s_mag
+    if KBITS == 3:  # a 2-bit plane of the low bits (d/4 bytes), then a 1-bit plane of the high bits
+        low = tl.load(row_mag + (c // 4)[None, :], mask=m2, other=0).to(tl.int32)
+        high = tl.load(row_mag + (D // 4 + c // 8)[None, :], mask=m2, other=0).to(tl.int32)
+        q = ((low >> ((c % 4) * 2)[None, :]) & 3) | (((high >> (c % 8)[None, :]) & 1) << 2)
+    else:
+        PER: tl.constexpr = 8 // KBITS
+        byte = tl.load(row_mag + (c // PER)[None, :], mask=m2, other=0).to(tl.int32)
+        q = (byte >> ((c % PER) * KBITS)[None, :]) & ((1 << KBITS) - 1)
+    level = q.to(tl.float32)
+    if MIDRISE:
+        level += 0.5
+    if SCALE_TOKENS > 1:
+        srow = tl.minimum((idx + scale_offset) // SCALE_TOKENS, scale_rows - 1)
+    else:
+        srow = idx
+    s_off = srow[:, None] * s_scale + (c // CH_PER_SCALE)[None, :]
+    mag = level * tl.load(scale_base + s_off, mask=m2, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        mag += tl.load(zero_base + s_off, mask=m2, other=0.0).to(tl.float32)
+    return sign * mag * alpha[None, :]
+
+
+@triton.jit
+def _values(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs,
+            VBITS: tl.constexpr, VGROUP: tl.constexpr):  # fmt: skip
+    m2 = ok[:, None] & cmask[None, :]
+    PER: tl.constexpr = 8 // VBITS
+    byte = tl.load(v_base + idx[:, None] * s_v + (c // PER)[None, :], mask=m2, other=0).to(tl.int32)
+    q = ((byte >> ((c % PER) * VBITS)[None, :]) & ((1 << VBITS) - 1)).to(tl.float32)
+    off = idx[:, None] * s_vs + (c // VGROUP)[None, :]
+    scale = tl.load(vs_base + off, mask=m2, other=0.0).to(tl.float32)
+    zero = tl.load(vz_base + off, mask=m2, other=0.0).to(tl.float32)
+    return q * scale + zero
+
+
+@triton.jit
+def _override(rows, idx, m2, c, sink_pos, slots, sink_base, s_sk, tail_base, s_tk, tail_from, tail_first, tail_len,
+              HAS_SINKS: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
+    """rows [BLOCK, DP] with the sink tokens and the query's newest tokens (idx >= tail_from) read from their
+    16-bit copies (sink_base / tail_base: this (batch, head)'s [S, d] / [T, d] copies)."""
+    if HAS_SINKS:
+        slot = tl.max(tl.where(idx[:, None] == sink_pos[None, :].to(tl.int64), slots[None, :], -1), axis=1)
+        is_sink = slot >= 0
+        off = tl.maximum(slot, 0).to(tl.int64)[:, None] * s_sk + c[None, :]
+        copy = tl.load(sink_base + off, mask=m2 & is_sink[:, None], other=0.0).to(tl.float32)
+        rows = tl.where(is_sink[:, None], copy, rows)
+    if HAS_TAIL:
+        in_tail = (idx >= tail_from) & (idx - tail_first < tail_len)
+        local = tl.minimum(tl.maximum(idx - tail_first, 0), tail_len - 1)
+        copy = tl.load(tail_base + local[:, None] * s_tk + c[None, :], mask=m2 & in_tail[:, None], other=0.0)
+        rows = tl.where(in_tail[:, None], copy.to(tl.float32), rows)
+    return rows
+
+
+@triton.jit
+def _key_scores_kernel(
+    q_ptr, idx_ptr, out_ptr, sign_ptr, mag_ptr, scale_ptr, zero_ptr, alpha_ptr, mu_ptr,
+    sinkpos_ptr, sinkk_ptr, tailk_ptr, tail_from_ptr,
+    H, Q, C, scale_offset, scale_rows, num_sinks, tail_first, tail_len,
+    sqb, sqh, sqq, sib, sih, siq, sob, soh, soq,
+    s_sign_b, s_sign_h, s_sign, s_mag_b, s_mag_h, s_mag, s_sc_b, s_sc_h, s_sc, s_al_b, s_al_h,
+    s_sp_b, s_sp_h, s_sk_b, s_sk_h, s_sk, s_tk_b, s_tk_h, s_tk,
+    D: tl.constexpr, DP: tl.constexpr, KBITS: tl.constexpr, MIDRISE: tl.constexpr, HAS_ZERO: tl.constexpr,
+    SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    cb = tl.program_id(0)
+    r = tl.program_id(1)
+    qi = r % Q
+    h = (r // Q) % H
+    b = r // (Q * H)
+    c = tl.arange(0, DP)
+    cmask = c < D
+    offs = cb * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < C
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    idx = tl.load(idx_ptr + b64 * sib + h64 * sih + qi * siq + offs, mask=ok, other=0).to(tl.int64)
+    query = tl.load(q_ptr + b64 * sqb + h64 * sqh + qi * sqq + c, mask=cmask, other=0.0).to(tl.float32)
+    alpha = tl.load(alpha_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
+    keys = _centred_keys(
+        sign_ptr + b64 * s_sign_b + h64 * s_sign_h, mag_ptr + b64 * s_mag_b + h64 * s_mag_h,
+        scale_ptr + b64 * s_sc_b + h64 * s_sc_h, zero_ptr + b64 * s_sc_b + h64 * s_sc_h,
+        idx, ok, c, cmask, alpha, s_sign, s_mag, s_sc, scale_offset, scale_rows,
+        D, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS, CH_PER_SCALE,
+    )  # fmt: skip
+    if HAS_SINKS or HAS_TAIL:
+        slots = tl.arange(0, SP)
+        sink_pos = tl.load(sinkpos_ptr + b64 * s_sp_b + h64 * s_sp_h + slots, mask=slots < num_sinks, other=-1)
+        mu = tl.load(mu_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
+        m2 = ok[:, None] & cmask[None, :]
+        keys = _override(keys + mu[None, :], idx, m2, c, sink_pos, slots, sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h,
+                         s_sk, tailk_ptr + b64 * s_tk_b + h64 * s_tk_h, s_tk, tl.load(tail_from_ptr + qi),
+                         tail_first, tail_len, HAS_SINKS, HAS_TAIL) - mu[None, :]  # fmt: skip
+    score = tl.sum(keys * query[None, :], axis=1)
+    tl.store(out_ptr + b64 * sob + h64 * soh + qi * soq + offs, score, mask=ok)
+
+
+def _key_layout(kv):
+    d = kv.head_dim
+    channel_axis = kv.k_scale_tokens > 1
+    return {
+        "D": d,
+        "DP": next_pow2(d),
+        "KBITS": kv.k_bits,
+        "MIDRISE": kv.midrise,
+        "HAS_ZERO": kv.k_zero is not None,
+        "SCALE_TOKENS": kv.k_scale_tokens,
+        "CH_PER_SCALE": 1 if channel_axis else d // kv.k_scale.shape[-1],
+    }
+
+
+def _check_rows(kv):
+    for name in ("sign_bits", "k_mag", "k_scale", "v", "v_scale", "v_zero"):
+        if getattr(kv, name).stride(-1) != 1:
+            raise ValueError(f"CompressedKV.{name} needs unit stride in its last dimension")
+
+
+def _copies(kv, fallback, tail_from):
+    """Kernel arguments of the 16-bit copies (fallback tensors stand in for absent ones)."""
+    has_sinks = kv.sink_positions is not None and kv.sink_keys is not None
+    has_tail = kv.tail_keys is not None and kv.tail_keys.shape[2] > 0
+    num_sinks = kv.sink_positions.shape[-1] if has_sinks else 0
+    return {
+        "sinkpos": kv.sink_positions if has_sinks else fallback,
+        "sink_k": kv.sink_keys if has_sinks else fallback,
+        "sink_v": kv.sink_values if has_sinks else fallback,
+        "tail_k": kv.tail_keys if has_tail else fallback,
+        "tail_v": kv.tail_values if has_tail else fallback,
+        "tail_from": tail_from.to(device=fallback.device, dtype=torch.int64),
+        "num_sinks": num_sinks,
+        "tail_len": kv.tail_keys.shape[2] if has_tail else 0,
+        "meta": {"SP": next_pow2(max(num_sinks, 1)), "HAS_SINKS": has_sinks, "HAS_TAIL": has_tail},
+    }
+
+
+def compressed_key_scores_triton(query, kv, index, tail_from):
+    _check_rows(kv)
+    b, h, q, cnum = index.shape
+    out = torch.empty(b, h, q, cnum, dtype=torch.float32, device=index.device)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    block = 64
+    zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
+    cp = _copies(kv, query, tail_from)
+    _key_scores_kernel[(triton.cdiv(cnum, block), b * h * q)](
+        query, index, out, kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu,
+        cp["sinkpos"], cp["sink_k"], cp["tail_k"], cp["tail_from"],
+        h, q, cnum, kv.k_scale_offset, kv.k_scale.shape[2], cp["num_sinks"], kv.tail_first, cp["tail_len"],
+        *query.stride()[:3], *index.stride()[:3], *out.stride()[:3],
+        *kv.sign_bits.stride()[:3], *kv.k_mag.stride()[:3], *kv.k_scale.stride()[:3], *kv.alpha.stride()[:2],
+        *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
+        BLOCK=block, num_warps=4, **cp["meta"], **_key_layout(kv),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, idx_ptr, valid_ptr, tail_from_ptr, o_ptr, lse_ptr,
+    sign_ptr, mag_ptr, scale_ptr, zero_ptr, alpha_ptr, mu_ptr, v_ptr, vs_ptr, vz_ptr,
+    sinkpos_ptr, sinkk_ptr, sinkv_ptr, tailk_ptr, tailv_ptr,
+    H, Q, K, HQ, split_len, num_splits, qk_scale, scale_offset, scale_rows, num_sinks, tail_first, tail_len,
+    sqb, sqh, sqq, sib, sih, siq, svlb, svlh, svlq,
+    s_sign_b, s_sign_h, s_sign, s_mag_b, s_mag_h, s_mag, s_sc_b, s_sc_h, s_sc, s_al_b, s_al_h,
+    s_v_b, s_v_h, s_v, s_vs_b, s_vs_h, s_vs,
+    s_sp_b, s_sp_h, s_sk_b, s_sk_h, s_sk, s_tk_b, s_tk_h, s_tk,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KBITS: tl.constexpr,
+    MIDRISE: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr,
+    VBITS: tl.constexpr, VGROUP: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    sp = tl.program_id(0)
+    r = tl.program_id(1)
+    qi = r % Q
+    h = (r // Q) % H
+    b = r // (Q * H)
+    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    heads = tl.arange(0, GP)
+    hmask = heads < G
+    c = tl.arange(0, DP)
+    cmask = c < D
+    query = tl.load(q_ptr + b64 * sqb + (h * G + heads[:, None]).to(tl.int64) * sqh + qi * sqq + c[None, :],
+                    mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    alpha = tl.load(alpha_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
+    mu = tl.load(mu_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
+    sign_base = sign_ptr + b64 * s_sign_b + h64 * s_sign_h
+    mag_base = mag_ptr + b64 * s_mag_b + h64 * s_mag_h
+    scale_base = scale_ptr + b64 * s_sc_b + h64 * s_sc_h
+    zero_base = zero_ptr + b64 * s_sc_b + h64 * s_sc_h
+    v_base = v_ptr + b64 * s_v_b + h64 * s_v_h
+    vs_base = vs_ptr + b64 * s_vs_b + h64 * s_vs_h
+    vz_base = vz_ptr + b64 * s_vs_b + h64 * s_vs_h
+    i_base = idx_ptr + b64 * sib + h64 * sih + qi * siq
+    vl_base = valid_ptr + b64 * svlb + h64 * svlh + qi * svlq
+    slots = tl.arange(0, SP)
+    sink_pos = tl.load(sinkpos_ptr + b64 * s_sp_b + h64 * s_sp_h + slots, mask=slots < num_sinks, other=-1)
+    tail_from = tl.load(tail_from_ptr + qi)
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, DP], dtype=tl.float32)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, K)
+    for j in range(start, end, BLOCK):
+        offs = j + tl.arange(0, BLOCK)
+        jm = offs < end
+        ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
+        idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
+        keys = mu[None, :] + _centred_keys(
+            sign_base, mag_base, scale_base, zero_base, idx, ok, c, cmask, alpha, s_sign, s_mag, s_sc,
+            scale_offset, scale_rows, D, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS, CH_PER_SCALE,
+        )  # fmt: skip
+        values = _values(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs, VBITS, VGROUP)
+        m2 = ok[:, None] & cmask[None, :]
+        sink_k, tail_k = sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h, tailk_ptr + b64 * s_tk_b + h64 * s_tk_h
+        sink_v, tail_v = sinkv_ptr + b64 * s_sk_b + h64 * s_sk_h, tailv_ptr + b64 * s_tk_b + h64 * s_tk_h
+        keys = _override(keys, idx, m2, c, sink_pos, slots, sink_k, s_sk, tail_k, s_tk, tail_from, tail_first,
+                         tail_len, HAS_SINKS, HAS_TAIL)  # fmt: skip
+        values = _override(values, idx, m2, c, sink_pos, slots, sink_v, s_sk, tail_v, s_tk, tail_from, tail_first,
+                           tail_len, HAS_SINKS, HAS_TAIL)  # fmt: skip
+        sc = tl.dot(query, tl.trans(keys), input_precision="ieee") * qk_scale  # [GP, BLOCK], log2 domain
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        corr = tl.exp2(m_i - m_safe)
+        p = tl.exp2(sc - m_safe[:, None])
+        l_i = l_i * corr + tl.sum(p, axis=1)
+        acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
+        m_i = m_new
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    row = (b64 * HQ + h * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
+    tl.store(lse_ptr + row * num_splits + sp, lse, mask=hmask)
+    tl.store(o_ptr + (row * num_splits + sp)[:, None] * D + c[None, :], out, mask=hmask[:, None] & cmask[None, :])
+
+
+def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
+    _check_rows(kv)
+    b, hq, q, d = query.shape
+    h, kk = indices.shape[1], indices.shape[3]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if valid.dtype == torch.bool:
+        valid = valid.view(torch.uint8)
+    block = 32
+    rows = b * h * q
+    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
+    splits = max(1, min(triton.cdiv(TUNE["sm_mult"] * sms, rows), triton.cdiv(kk, block)))
+    split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
+    splits = max(1, triton.cdiv(kk, split_len))
+    o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
+    lse = torch.empty(b * hq * q, splits, dtype=torch.float32, device=query.device)
+    zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
+    cp = _copies(kv, query, tail_from)
+    _attention_kernel[(splits, rows)](
+        query, indices, valid, cp["tail_from"], o_part, lse,
+        kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu, kv.v, kv.v_scale, kv.v_zero,
+        cp["sinkpos"], cp["sink_k"], cp["sink_v"], cp["tail_k"], cp["tail_v"],
+        h, q, kk, hq, split_len, splits, scaling * 1.4426950408889634, kv.k_scale_offset, kv.k_scale.shape[2],
+        cp["num_sinks"], kv.tail_first, cp["tail_len"],
+        *query.stride()[:3], *indices.stride()[:3], *valid.stride()[:3],
+        *kv.sign_bits.stride()[:3], *kv.k_mag.stride()[:3], *kv.k_scale.stride()[:3], *kv.alpha.stride()[:2],
+        *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
+        *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
+        G=hq // h, GP=max(16, next_pow2(hq // h)), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
+        BLOCK=block, num_warps=4, **cp["meta"], **_key_layout(kv),
+    )  # fmt: skip
+    out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
+    _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits))
+    return out

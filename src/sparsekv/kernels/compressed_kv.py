@@ -1,0 +1,157 @@
+"""Decode ops over the self-index compressed cache that read only the tokens they need: q . K of candidate rows
+(the re-rank) and attention over the selected rows, both dequantizing K/V on the fly from the stored bits.
+
+The layout is `SelfIndexSelector`'s (see `sparsekv.selectors.self_index.dequantize_keys` / `dequantize` for the
+exact formulas); the references here gather and dequantize with those torch functions, the Triton kernels
+(`_compressed_kv_triton`) read the same bytes per selected token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class CompressedKV:
+    """One layer's compressed K/V as stored, plus the 16-bit copies that attention reads instead.
+
+    sign_bits int32 [B, H, N, ceil(d/32)]; k_mag uint8 [B, H, N, d*k_bits/8] (`pack_bits` layout); k_scale fp16
+    [B, H, N, d/k_group] (token axis) or [B, H, rows, d] (channel axis: token t uses row
+    min((t + k_scale_offset) // k_scale_tokens, rows - 1)); k_zero like k_scale or None; v uint8
+    [B, H, N, d*v_bits/8], v_scale / v_zero fp16 [B, H, N, d/v_group]; mu / alpha float32 [B, H, 1, d]
+    (K = mu + sign * alpha * magnitude).
+    sink_positions int32 [B, H, S] (ascending, unused slots hold a value no index equals) with sink_keys /
+    sink_values [B, H, S, d]: these tokens are read from the copies. tail_keys / tail_values [B, H, T, d] hold
+    tokens tail_first.. at 16-bit; a query reads token t from there when t >= its `tail_from` entry.
+    """
+
+    sign_bits: torch.Tensor
+    k_mag: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor | None
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    v_zero: torch.Tensor
+    mu: torch.Tensor
+    alpha: torch.Tensor
+    k_bits: int
+    v_bits: int
+    midrise: bool = False
+    k_scale_tokens: int = 1
+    k_scale_offset: int = 0
+    sink_positions: torch.Tensor | None = None
+    sink_keys: torch.Tensor | None = None
+    sink_values: torch.Tensor | None = None
+    tail_keys: torch.Tensor | None = None
+    tail_values: torch.Tensor | None = None
+    tail_first: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.mu.shape[-1]
+
+
+def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t [B, H, R, c], rows [B, H, Q, K] -> [B, H, Q, K, c]."""
+    b, h, q, k = rows.shape
+    flat = rows.reshape(b, h, q * k, 1).expand(-1, -1, -1, t.shape[-1])
+    return t.gather(2, flat).view(b, h, q, k, t.shape[-1])
+
+
+def centred_keys_reference(kv: CompressedKV, index: torch.Tensor) -> torch.Tensor:
+    """K - mu [B, H, Q, K, d] float32 of the compressed rows `index` [B, H, Q, K] (no 16-bit copies)."""
+    from sparsekv.selectors.self_index import dequantize_keys
+
+    rows = index
+    if kv.k_scale_tokens > 1:
+        rows = ((index + kv.k_scale_offset) // kv.k_scale_tokens).clamp(max=kv.k_scale.shape[2] - 1)
+    zero = None if kv.k_zero is None else _gather(kv.k_zero, rows)
+    return dequantize_keys(
+        _gather(kv.sign_bits, index), _gather(kv.k_mag, index), _gather(kv.k_scale, rows), zero,
+        kv.mu[:, :, None], kv.alpha[:, :, None], kv.k_bits, kv.midrise, torch.float32,
+    )  # fmt: skip
+
+
+def compressed_key_scores_reference(
+    query: torch.Tensor, kv: CompressedKV, index: torch.Tensor, tail_from: torch.Tensor
+) -> torch.Tensor:
+    """query [B, H, Q, d] (one query per kv head, e.g. the GQA group's sum), index [B, H, Q, C], tail_from [Q] ->
+    float32 [B, H, Q, C] = query . (K - mu) of the rows as attention reads them (q . mu is the same for every key
+    of a row)."""
+    keys = _with_copies(centred_keys_reference(kv, index) + kv.mu[:, :, None], kv, index, tail_from,
+                        "sink_keys", "tail_keys")  # fmt: skip
+    return torch.einsum("bhqd,bhqcd->bhqc", query.float(), keys - kv.mu[:, :, None])
+
+
+def compressed_key_scores(
+    query: torch.Tensor, kv: CompressedKV, index: torch.Tensor, tail_from: torch.Tensor
+) -> torch.Tensor:
+    from sparsekv.kernels._triton import kernel, use_triton
+
+    if use_triton(query, kv.sign_bits, index) and index.shape[-1] > 0:
+        impl = kernel("_compressed_kv_triton", "compressed_key_scores_triton")
+        if impl is not None:
+            return impl(query, kv, index, tail_from)
+    return compressed_key_scores_reference(query, kv, index, tail_from)
+
+
+def _with_copies(rows, kv: CompressedKV, index, tail_from, copy_name: str, tail_name: str):
+    """rows [B, H, Q, K, d] with the sink tokens and each query's tail tokens read from the 16-bit copies."""
+    copies, tail = getattr(kv, copy_name), getattr(kv, tail_name)
+    if copies is not None:
+        b, h, q, k = index.shape
+        pos = kv.sink_positions.long()
+        hit = index[..., None] == pos[:, :, None, None, :]  # [B, H, Q, K, S]
+        slot = torch.where(hit, torch.arange(pos.shape[-1], device=index.device), -1).amax(-1)
+        picked = _gather(copies.float(), slot.clamp(min=0))
+        rows = torch.where((slot >= 0)[..., None], picked, rows)
+    if tail is not None and tail.shape[2] > 0:
+        in_tail = index >= tail_from.view(1, 1, -1, 1)
+        local = (index - kv.tail_first).clamp(0, tail.shape[2] - 1)
+        rows = torch.where(in_tail[..., None], _gather(tail.float(), local), rows)
+    return rows
+
+
+def compressed_attention_reference(
+    query: torch.Tensor,
+    kv: CompressedKV,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    tail_from: torch.Tensor,
+) -> torch.Tensor:
+    """query [B, Hq, Q, d]; indices / valid [B, Hkv, Q, K] (each row shared by its GQA group); tail_from [Q]
+    int. Returns [B, Hq, Q, d] in the query's dtype, computed in float32 over the dequantized rows."""
+    from sparsekv.selectors.self_index import dequantize
+
+    b, hq, q, d = query.shape
+    h = indices.shape[1]
+    keys = _with_copies(centred_keys_reference(kv, indices) + kv.mu[:, :, None], kv, indices, tail_from,
+                        "sink_keys", "tail_keys")  # fmt: skip
+    values = dequantize(_gather(kv.v, indices), _gather(kv.v_scale, indices), _gather(kv.v_zero, indices),
+                        kv.v_bits, torch.float32)  # fmt: skip
+    values = _with_copies(values, kv, indices, tail_from, "sink_values", "tail_values")
+    qh = query.float().view(b, h, hq // h, q, d)
+    logits = torch.einsum("bhgqd,bhqkd->bhgqk", qh, keys) * scaling
+    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    out = torch.einsum("bhgqk,bhqkd->bhgqd", torch.softmax(logits, dim=-1), values)
+    return out.reshape(b, hq, q, d).to(query.dtype)
+
+
+def compressed_attention(
+    query: torch.Tensor,
+    kv: CompressedKV,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    tail_from: torch.Tensor,
+) -> torch.Tensor:
+    from sparsekv.kernels._triton import kernel, use_triton
+
+    if use_triton(query, kv.sign_bits, indices) and indices.shape[-1] > 0 and query.shape[-1] <= 256:
+        impl = kernel("_compressed_kv_triton", "compressed_attention_triton")
+        if impl is not None:
+            return impl(query, kv, indices, valid, scaling, tail_from)
+    return compressed_attention_reference(query, kv, indices, valid, scaling, tail_from)
