@@ -343,17 +343,19 @@ def _compressed_kv(gen, b, h, n, d, k_bits, channel_axis, midrise, zero, sinks, 
 
 @here
 @pytest.mark.parametrize(
-    "k_bits,channel_axis,midrise,zero,sinks,tail",
-    [(3, False, False, False, True, True), (2, False, False, True, False, False), (4, True, True, False, True, False),
-     (3, True, True, False, False, True)],
+    "k_bits,channel_axis,midrise,zero,sinks,tail,d",
+    [(3, False, False, False, True, True, 64), (2, False, False, True, False, False, 64),
+     (4, True, True, False, True, False, 64), (3, True, True, False, False, True, 48)],
 )  # fmt: skip
-def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail):
-    """Dequant-on-gather re-rank scores and attention == the torch references (awkward sizes, every layout)."""
+def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail, d):
+    """Dequant-on-gather re-rank scores and attention == the torch references (awkward sizes, every layout;
+    d = 48 takes the per-element loads, powers of two the whole-byte loads)."""
     from sparsekv.kernels import _compressed_kv_triton as ck
     from sparsekv.kernels.compressed_kv import compressed_attention_reference, compressed_key_scores_reference
 
     gen = torch.Generator().manual_seed(k_bits * 10 + channel_axis)
-    b, h, g, n, d, q = 2, 2, 3, 301, 64, 2
+    b, h, g, n, q = 2, 2, 3, 301, 2
+    tol = 1e-4 if ck.interpreting() else 2e-3  # the GPU's attention dots are 3xTF32
     kv = _compressed_kv(gen, b, h, n, d, k_bits, channel_axis, midrise, zero, sinks, tail)
     index = torch.stack([torch.randperm(n, generator=gen)[:45] for _ in range(b * h * q)]).view(b, h, q, 45)
     index[..., :3] = torch.tensor([n - 1, n - 15, 0])  # tail tokens (per query) and the first token
@@ -369,7 +371,7 @@ def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail)
     valid[..., 0] = True
     got = ck.compressed_attention_triton(query, kv, index, valid, 0.125, tail_from)
     ref = compressed_attention_reference(query, kv, index, valid, 0.125, tail_from)
-    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=tol, atol=tol)
 
 
 @here
@@ -383,17 +385,19 @@ def test_self_index_decode_step_on_kernels_equals_torch_path(options, monkeypatc
     n0, extra, d = 290, 11, 64
     keys, values = torch.randn(2, 3, n0 + extra, d, generator=gen), torch.randn(2, 3, n0 + extra, d, generator=gen)
     query = torch.randn(2, 9, n0 + extra, d, generator=gen)
+    keys, values, query = keys.to(DEV), values.to(DEV), query.to(DEV)
     sel = prefilled(selector(**options), keys[:, :, :n0], values[:, :, :n0], query[:, :, :n0])
     for t in range(n0, n0 + extra):  # decode tokens: the 16-bit tail
         sel.store(keys[:, :, t : t + 1], values[:, :, t : t + 1])
     n = n0 + extra
-    visible = torch.ones(2, 1, n, dtype=torch.bool)
+    visible = torch.ones(2, 1, n, dtype=torch.bool, device=DEV)
     step = DecodeStep(query=query[:, :, -1:], keys=keys[..., :0], values=values[..., :0], visible=visible,
-                      forced=torch.zeros_like(visible), budgets=torch.full((2, 1), 40), layer=sel.layer,
+                      forced=torch.zeros_like(visible), budgets=torch.full((2, 1), 40, device=DEV), layer=sel.layer,
                       gqa="group", hints=StepHints(max_budget=40, uniform=False))  # fmt: skip
     picked = sel.select(step)
     fast = sel.attend(step, picked, 0.125)
     monkeypatch.setenv("SPARSEKV_DISABLE_TRITON", "1")
     reference = sel.select(step)
     assert torch.equal(picked.to_mask(n), reference.to_mask(n))
-    torch.testing.assert_close(fast, sel.attend(step, reference, 0.125), rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if os.environ.get("TRITON_INTERPRET") == "1" else 2e-3  # the GPU's attention dots are 3xTF32
+    torch.testing.assert_close(fast, sel.attend(step, reference, 0.125), rtol=tol, atol=tol)

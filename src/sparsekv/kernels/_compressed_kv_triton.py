@@ -14,7 +14,85 @@ import triton
 import triton.language as tl
 
 from sparsekv.kernels._sparse_attention_triton import TUNE, _combine_kernel
-from sparsekv.kernels._triton import next_pow2
+from sparsekv.kernels._triton import interpreting, next_pow2
+
+# attention launch: 3xTF32 dots keep float32 accuracy on tensor cores (plain IEEE float32 dots run on the FMA
+# units and were the slowest part of the first version)
+ATTN_TUNE = {"block": 32, "num_warps": 4, "precision": "tf32x3"}
+
+
+@triton.jit
+def _unpack_row(base, idx, ok, s_row, FIRST: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                DP: tl.constexpr):  # fmt: skip
+    """[BLOCK, DP] int32 fields of BITS bits packed from byte FIRST of each listed row (element i in bits
+    (i % per_byte) * BITS of byte i // per_byte): one load per byte, unpacked in registers."""
+    PER: tl.constexpr = 8 // BITS
+    j = tl.arange(0, DP // PER)
+    byte = tl.load(base + idx[:, None] * s_row + FIRST + j[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    q = (byte[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+    return tl.reshape(q, [BLOCK, DP])
+
+
+@triton.jit
+def _spread(base, idx, ok, s_row, EVERY: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr):
+    """[BLOCK, DP] float32: entry i // EVERY of each listed row, for element i."""
+    j = tl.arange(0, DP // EVERY)
+    x = tl.load(base + idx[:, None] * s_row + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    return tl.reshape(tl.broadcast_to(x[:, :, None], [BLOCK, DP // EVERY, EVERY]), [BLOCK, DP])
+
+
+@triton.jit
+def _centred_keys_vec(sign_base, mag_base, scale_base, zero_base, idx, ok, alpha, s_sign, s_mag, s_scale,
+                      scale_offset, scale_rows, D: tl.constexpr, KBITS: tl.constexpr, MIDRISE: tl.constexpr,
+                      HAS_ZERO: tl.constexpr, SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr,
+                      BLOCK: tl.constexpr):  # fmt: skip
+    """_centred_keys for D a power of two >= 32: whole bytes / words / scales per load."""
+    words = tl.load(sign_base + idx[:, None] * s_sign + tl.arange(0, D // 32)[None, :], mask=ok[:, None], other=0)
+    bits = (words[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
+    sign = tl.reshape(bits, [BLOCK, D]).to(tl.float32) * 2.0 - 1.0
+    if KBITS == 3:
+        q = _unpack_row(mag_base, idx, ok, s_mag, 0, 2, BLOCK, D) | (
+            _unpack_row(mag_base, idx, ok, s_mag, D // 4, 1, BLOCK, D) << 2
+        )
+    else:
+        q = _unpack_row(mag_base, idx, ok, s_mag, 0, KBITS, BLOCK, D)
+    level = q.to(tl.float32)
+    if MIDRISE:
+        level += 0.5
+    if SCALE_TOKENS > 1:
+        srow = tl.minimum((idx + scale_offset) // SCALE_TOKENS, scale_rows - 1)
+    else:
+        srow = idx
+    mag = level * _spread(scale_base, srow, ok, s_scale, CH_PER_SCALE, BLOCK, D)
+    if HAS_ZERO:
+        mag += _spread(zero_base, srow, ok, s_scale, CH_PER_SCALE, BLOCK, D)
+    return sign * mag * alpha[None, :]
+
+
+@triton.jit
+def _keys_any(sign_base, mag_base, scale_base, zero_base, idx, ok, c, cmask, alpha, s_sign, s_mag, s_sc,
+              scale_offset, scale_rows, D: tl.constexpr, DP: tl.constexpr, KBITS: tl.constexpr,
+              MIDRISE: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_TOKENS: tl.constexpr,
+              CH_PER_SCALE: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    if D == DP and D >= 32:
+        return _centred_keys_vec(sign_base, mag_base, scale_base, zero_base, idx, ok, alpha, s_sign, s_mag,
+                                 s_sc, scale_offset, scale_rows, D, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS,
+                                 CH_PER_SCALE, BLOCK)  # fmt: skip
+    else:
+        return _centred_keys(sign_base, mag_base, scale_base, zero_base, idx, ok, c, cmask, alpha, s_sign, s_mag,
+                             s_sc, scale_offset, scale_rows, D, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS,
+                             CH_PER_SCALE)  # fmt: skip
+
+
+@triton.jit
+def _values_any(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs, D: tl.constexpr, DP: tl.constexpr,
+                VBITS: tl.constexpr, VGROUP: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    if D == DP and D >= 32:
+        q = _unpack_row(v_base, idx, ok, s_v, 0, VBITS, BLOCK, D).to(tl.float32)
+        return q * _spread(vs_base, idx, ok, s_vs, VGROUP, BLOCK, D) + _spread(vz_base, idx, ok, s_vs, VGROUP,
+                                                                               BLOCK, D)  # fmt: skip
+    else:
+        return _values(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs, VBITS, VGROUP)
 
 
 @triton.jit
@@ -106,11 +184,11 @@ def _key_scores_kernel(
     idx = tl.load(idx_ptr + b64 * sib + h64 * sih + qi * siq + offs, mask=ok, other=0).to(tl.int64)
     query = tl.load(q_ptr + b64 * sqb + h64 * sqh + qi * sqq + c, mask=cmask, other=0.0).to(tl.float32)
     alpha = tl.load(alpha_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
-    keys = _centred_keys(
+    keys = _keys_any(
         sign_ptr + b64 * s_sign_b + h64 * s_sign_h, mag_ptr + b64 * s_mag_b + h64 * s_mag_h,
         scale_ptr + b64 * s_sc_b + h64 * s_sc_h, zero_ptr + b64 * s_sc_b + h64 * s_sc_h,
         idx, ok, c, cmask, alpha, s_sign, s_mag, s_sc, scale_offset, scale_rows,
-        D, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS, CH_PER_SCALE,
+        D, DP, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS, CH_PER_SCALE, BLOCK,
     )  # fmt: skip
     if HAS_SINKS or HAS_TAIL:
         slots = tl.arange(0, SP)
@@ -196,7 +274,7 @@ def _attention_kernel(
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, KBITS: tl.constexpr,
     MIDRISE: tl.constexpr, HAS_ZERO: tl.constexpr, SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr,
     VBITS: tl.constexpr, VGROUP: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     sp = tl.program_id(0)
     r = tl.program_id(1)
@@ -234,11 +312,11 @@ def _attention_kernel(
         jm = offs < end
         ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
         idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
-        keys = mu[None, :] + _centred_keys(
+        keys = mu[None, :] + _keys_any(
             sign_base, mag_base, scale_base, zero_base, idx, ok, c, cmask, alpha, s_sign, s_mag, s_sc,
-            scale_offset, scale_rows, D, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS, CH_PER_SCALE,
+            scale_offset, scale_rows, D, DP, KBITS, MIDRISE, HAS_ZERO, SCALE_TOKENS, CH_PER_SCALE, BLOCK,
         )  # fmt: skip
-        values = _values(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs, VBITS, VGROUP)
+        values = _values_any(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs, D, DP, VBITS, VGROUP, BLOCK)
         m2 = ok[:, None] & cmask[None, :]
         sink_k, tail_k = sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h, tailk_ptr + b64 * s_tk_b + h64 * s_tk_h
         sink_v, tail_v = sinkv_ptr + b64 * s_sk_b + h64 * s_sk_h, tailv_ptr + b64 * s_tk_b + h64 * s_tk_h
@@ -246,14 +324,14 @@ def _attention_kernel(
                          tail_len, HAS_SINKS, HAS_TAIL)  # fmt: skip
         values = _override(values, idx, m2, c, sink_pos, slots, sink_v, s_sk, tail_v, s_tk, tail_from, tail_first,
                            tail_len, HAS_SINKS, HAS_TAIL)  # fmt: skip
-        sc = tl.dot(query, tl.trans(keys), input_precision="ieee") * qk_scale  # [GP, BLOCK], log2 domain
+        sc = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale  # [GP, BLOCK], log2 domain
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         corr = tl.exp2(m_i - m_safe)
         p = tl.exp2(sc - m_safe[:, None])
         l_i = l_i * corr + tl.sum(p, axis=1)
-        acc = acc * corr[:, None] + tl.dot(p, values, input_precision="ieee")
+        acc = acc * corr[:, None] + tl.dot(p, values, input_precision=PRECISION)
         m_i = m_new
     has = l_i > 0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -271,7 +349,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
         query = query.contiguous()
     if valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
-    block = 32
+    block = ATTN_TUNE["block"]
     rows = b * h * q
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
     splits = max(1, min(triton.cdiv(TUNE["sm_mult"] * sms, rows), triton.cdiv(kk, block)))
@@ -292,7 +370,8 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
         *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
         G=hq // h, GP=max(16, next_pow2(hq // h)), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
-        BLOCK=block, num_warps=4, **cp["meta"], **_key_layout(kv),
+        BLOCK=block, PRECISION="ieee" if interpreting() else ATTN_TUNE["precision"],
+        num_warps=ATTN_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
     _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits))
