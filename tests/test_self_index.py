@@ -19,7 +19,9 @@ from sparsekv.selectors.self_index import (
     cache_memory,
     codes_from_sign_bits,
     dequantize,
+    dequantize_keys,
     lut_scores,
+    magnitude_codes,
     one_pass_centroids,
     pack_bits,
     quantize,
@@ -148,6 +150,127 @@ def test_quantize_constant_group_is_exact():
     torch.testing.assert_close(back, x)
 
 
+def test_midrise_magnitudes_hand_case():
+    # 2 bits, max 8: scale = 8 / 4 = 2; q = min(floor(x / 2), 3); read (q + 1/2) x 2
+    g = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 7.9, 5.0]])
+    codes, scale = magnitude_codes(g, 2, midrise=True)
+    assert scale.dtype == torch.float16 and scale.tolist() == [2.0]
+    assert codes.tolist() == [[0, 0, 1, 1, 2, 3, 3, 2]]
+    read = (codes.float() + 0.5) * scale.float()[..., None]
+    assert read.tolist() == [[1.0, 1.0, 3.0, 3.0, 5.0, 7.0, 7.0, 5.0]]
+    # mid-tread (the previous rule): scale = 8 / 3 (fp16 rounded up: 2.668), q = round(x / scale)
+    codes, scale = magnitude_codes(g, 2, midrise=False)
+    assert codes.tolist() == [[0, 0, 1, 1, 1, 3, 3, 2]] and scale.item() == pytest.approx(8 / 3, rel=1e-3)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_midrise_error_bound_and_mid_tread_equals_quantize(bits):
+    x = torch.rand(4, 3, 20, 2, 32, generator=torch.Generator().manual_seed(31)) * 3
+    codes, scale = magnitude_codes(x, bits, midrise=True)
+    assert int(codes.max()) < (1 << bits)
+    read = (codes.float() + 0.5) * scale.float()[..., None]
+    assert ((read - x).abs() <= scale.float()[..., None] / 2 * (1 + 1e-3)).all()
+    assert (scale.float() * (1 << bits) >= x.amax(-1)).all()  # the levels cover the max (fp16 rounded up)
+    # mid-tread without clipping is exactly the scale-only `quantize`
+    codes, scale = magnitude_codes(x, bits, midrise=False)
+    packed, ref_scale, _ = quantize(x.flatten(-2), bits, 32, with_zero=False)
+    assert torch.equal(scale, ref_scale) and torch.equal(pack_bits(codes.flatten(-2), bits), packed)
+
+
+def test_clipped_scales_never_increase_the_squared_error():
+    gen = torch.Generator().manual_seed(32)
+    x = torch.randn(500, 32, generator=gen).abs() ** 2  # heavy-tailed magnitudes: clipping should help some
+    for midrise in (True, False):
+        plain_q, plain_s = magnitude_codes(x, 3, midrise)
+        clip_q, clip_s = magnitude_codes(x, 3, midrise, clip=True)
+        off = 0.5 if midrise else 0.0
+        err = lambda q, sc: ((q.float() + off) * sc.float()[..., None] - x).square().sum(-1)  # noqa: E731
+        assert (err(clip_q, clip_s) <= err(plain_q, plain_s) + 1e-6).all()
+        assert (err(clip_q, clip_s) < err(plain_q, plain_s) - 1e-6).any()
+        assert (clip_s <= plain_s).all() and (clip_s.float() >= 0.69 * plain_s.float()).all()
+
+
+def test_clipped_value_ranges_never_increase_the_squared_error():
+    x = torch.randn(300, 128, generator=torch.Generator().manual_seed(34)) * 2
+    plain = dequantize(*quantize(x, 2, 64), 2, torch.float32)
+    packed, scale, zero = quantize(x, 2, 64, clip=True)
+    clipped = dequantize(packed, scale, zero, 2, torch.float32)
+    err = lambda y: (y - x).square().unflatten(-1, (2, 64)).sum(-1)  # noqa: E731
+    assert (err(clipped) <= err(plain) + 1e-5).all() and err(clipped).sum() < 0.8 * err(plain).sum()
+    # the stored range lies inside [min, max] and is at least V_CLIP_RATIOS[-1] of it
+    g = x.unflatten(-1, (2, 64))
+    lo, hi = g.amin(-1), g.amax(-1)
+    top = zero.float() + 3 * scale.float()
+    assert (zero.float() >= lo - 1e-2).all() and (top <= hi + 1e-2).all()
+    assert ((top - zero.float()) >= 0.6 * (hi - lo) - 1e-2).all()
+    # a hand case: 2 bits, values {0 x 63, 9}: the full range (scale 3) is best, nothing clips
+    y = torch.zeros(1, 64)
+    y[0, 5] = 9.0
+    packed, scale, zero = quantize(y, 2, 64, clip=True)
+    assert scale.item() == 3.0 and zero.item() == 0.0
+    torch.testing.assert_close(dequantize(packed, scale, zero, 2, torch.float32), y)
+
+
+def test_dequantize_keys_hand_case():
+    # d = 8, 2-bit midrise, token axis with 4 channels per scale
+    sign = torch.tensor([1, -1, 1, 1, -1, -1, 1, -1.0])
+    codes = torch.tensor([[0, 1, 2, 3, 3, 2, 1, 0]], dtype=torch.uint8)
+    scale = torch.tensor([[2.0, 0.5]], dtype=torch.float16)
+    mu, alpha = torch.full((8,), 10.0), torch.tensor([1, 1, 1, 1, 2, 2, 2, 2.0])
+    k = dequantize_keys(pack_sign_bits(sign[None]), pack_bits(codes, 2), scale, None, mu, alpha, 2, True,
+                        torch.float32)  # fmt: skip
+    # (q + 1/2) x scale x alpha x sign
+    assert k.tolist() == [[1.0, -3.0, 5.0, 7.0, -3.5, -2.5, 1.5, -0.5]]
+    # channel axis: one scale per channel (the token's block row); mid-tread with zeros (paper layout)
+    per_channel = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4.0]], dtype=torch.float16)
+    k = dequantize_keys(pack_sign_bits(sign[None]), pack_bits(codes, 2), per_channel, None, mu, alpha, 2, False,
+                        torch.float32)  # fmt: skip
+    assert k.tolist() == [[0.0, -2.0, 6.0, 12.0, -6.0, -8.0, 6.0, -0.0]]
+    zero = torch.tensor([[1.0, 0.0]], dtype=torch.float16)
+    k = dequantize_keys(pack_sign_bits(sign[None]), pack_bits(codes, 2), scale, zero, mu, alpha, 2, False,
+                        torch.float32)  # fmt: skip
+    assert k.tolist() == [[1.0, -3.0, 5.0, 7.0, -3.0, -2.0, 1.0, -0.0]]
+
+
+def test_channel_axis_keys_round_trip():
+    """k_axis=channel: one fp16 scale per channel per block of k_group tokens; blocks end at the prompt's end (the
+    first block is short), the scales ignore the 16-bit sinks, every error is <= half a step of the token's block
+    and channel, and decode tokens are compressed once their block is full."""
+    gen = torch.Generator().manual_seed(33)
+    n, g = 200, 32  # 200 = 8 + 6 x 32: the first block holds 8 tokens
+    keys = torch.randn(1, 3, n, 64, generator=gen) * torch.linspace(0.2, 5, 64)
+    keys[:, :, 3] *= 30  # an outlier token
+    values = torch.randn(1, 3, n, 64, generator=gen)
+    query = torch.randn(1, 9, n, 64, generator=gen)
+    sel = prefilled(selector(sink_tokens=4, k_axis="channel", k_group=g, k_midrise=True), keys, values, query)
+    assert sel._k_pad == 24 and sel._k_blocks.length == 7 and sel._k_done == n
+    scale = sel._k_blocks.view("k_scale").float()  # [1, 3, 7, 64]
+    x = (keys - sel.mu).abs() / sel.alpha
+    sinks = torch.zeros(1, 3, n, dtype=torch.bool).scatter(-1, sel.sink_positions.long(), True)
+    x = x.masked_fill(sinks[..., None], 0)
+    x = torch.nn.functional.pad(x, (0, 0, 24, 0)).view(1, 3, 7, 32, 64).amax(3)
+    torch.testing.assert_close(scale, x / 8, rtol=2e-3, atol=0)  # 3 bits midrise: max / 8
+    idx = torch.arange(n).view(1, 1, 1, n).expand(1, 3, 1, n)
+    k_hat = sel.gather_dequantized(idx, torch.tensor([n - 1]))[0][:, :, 0]
+    row = (torch.arange(n) + 24) // 32
+    bound = scale[:, :, row] / 2 * sel.alpha * (1 + 1e-3) + 1e-5
+    err = (k_hat - keys).abs()
+    assert (err[~sinks] <= bound[~sinks]).all()
+    torch.testing.assert_close(k_hat[sinks], keys[sinks].bfloat16().float())  # 16-bit copies
+    assert torch.equal(torch.sign(k_hat - sel.mu)[~sinks], torch.sign(keys - sel.mu)[~sinks])
+    # decode: 40 tokens -> one full block compressed, 8 left to the 16-bit residual block
+    new_k, new_v = torch.randn(1, 3, 40, 64, generator=gen), torch.randn(1, 3, 40, 64, generator=gen)
+    sel.store(new_k, new_v)
+    assert sel._k_blocks.length == 8 and sel._k_done == n + 32
+    idx = torch.arange(n, n + 32).view(1, 1, 1, 32).expand(1, 3, 1, 32)
+    k_hat = sel.gather_dequantized(idx, torch.tensor([n + 39]))[0][:, :, 0]  # block [n, n + 64) is the residual
+    torch.testing.assert_close(k_hat, new_k[:, :, :32].bfloat16().float())
+    k_hat = sel.gather_dequantized(idx, torch.tensor([n + 64]))[0][:, :, 0]  # next residual block: compressed
+    centred = new_k[:, :, :32].bfloat16().float() - sel.mu
+    step = centred.abs().div(sel.alpha).amax(2, keepdim=True) / 8
+    assert ((k_hat - new_k[:, :, :32].bfloat16().float()).abs() <= step / 2 * sel.alpha * 1.01 + 1e-5).all()
+
+
 def test_compressed_keys_round_trip_error_and_signs():
     gen = torch.Generator().manual_seed(4)
     keys = torch.randn(1, 3, 200, 64, generator=gen) * torch.linspace(
@@ -272,6 +395,9 @@ def ids_for(model, batch, length, seed):
     ("head", {"kv_bits": 4, "sink_tokens": 2, "residual": 5}),
     ("group", {"sink_tokens": 4, "residual": 8, "rescore": 2}),
     ("head", {"kv_bits": 16, "sink_tokens": 2, "rescore": 3}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "channel", "k_group": 4, "k_midrise": True}),
+    ("head", {"sink_tokens": 2, "residual": 16, "k_axis": "channel", "k_group": 8, "k_clip": True}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_midrise": True, "k_clip": True, "v_clip": True}),
 ])  # fmt: skip
 def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
     config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), gqa=gqa, options=options)
@@ -321,6 +447,14 @@ def test_config_validation():
         SparseConfig(method="self-index", options={"rescore": -2})
     with pytest.raises(ConfigError, match="sink_share"):
         SparseConfig(method="self-index", options={"sink_share": 0})
+    with pytest.raises(ConfigError, match="k_axis"):
+        SparseConfig(method="self-index", options={"k_axis": "block"})
+    with pytest.raises(ConfigError, match="residual"):
+        SparseConfig(method="self-index", options={"k_axis": "channel", "k_group": 32, "residual": 48})
+    with pytest.raises(ConfigError, match="residual"):
+        SparseConfig(method="self-index", options={"k_axis": "channel", "residual": 0})
+    with pytest.raises(ConfigError, match="k_zero"):
+        SparseConfig(method="self-index", options={"k_zero": True, "k_midrise": True})
 
 
 # --------------------------------------------------------------------------------------------- memory

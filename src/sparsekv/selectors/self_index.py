@@ -58,6 +58,7 @@ from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.sparse_attention import sparse_attention
+from sparsekv.selectors import _self_index_device
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
 
 if TYPE_CHECKING:  # CLI option types (resolved at runtime by `register`)
@@ -198,8 +199,12 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
+#: range ratios tried per group by `quantize(clip=True)` (the V rows; least squared error)
+V_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+
+
 def quantize(
-    x: torch.Tensor, bits: int, group: int, with_zero: bool = True
+    x: torch.Tensor, bits: int, group: int, with_zero: bool = True, clip: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Token-wise asymmetric quantization per `group` elements: x [..., d] ->
     (packed uint8 [..., d*bits/8], scale fp16 [..., d/group], zero fp16 [..., d/group]).
@@ -208,32 +213,140 @@ def quantize(
     |x - dequantize(...)| <= scale / 2 + float16 rounding of zero holds for the stored parameters.
     `with_zero=False` (x >= 0, e.g. magnitudes) fixes the zero at 0 and returns None for it: half the parameter
     bytes, and the bound becomes scale / 2 with scale = max / (2^bits - 1).
+    `clip` (with a zero only): the range [min, max] is shrunk about its middle to V_CLIP_RATIOS x its width, the
+    ratio with the least squared error of the group kept (values outside clamp to the end levels); same format.
     """
     levels = (1 << bits) - 1
     g = x.unflatten(-1, (-1, group))
     lo, hi = g.amin(-1), g.amax(-1)
     if not with_zero:  # negative inputs would clamp to 0 (no check: it would sync a device every decode step)
         lo = torch.zeros_like(lo)
-    zero = lo.to(torch.float16)
-    scale = ((hi - zero.to(x.dtype)) / levels).to(torch.float16)
-    scale = torch.where(
-        (scale.to(x.dtype) * levels + zero.to(x.dtype)) < hi,
-        torch.nextafter(scale, torch.full_like(scale, math.inf)),  # full_like: no host copy (graph capture)
-        scale,
-    )
-    safe = torch.where(scale > 0, scale.to(x.dtype), torch.ones_like(hi))
-    q = torch.round((g - zero.to(x.dtype)[..., None]) / safe[..., None]).clamp(0, levels)
+    best = None
+    for ratio in V_CLIP_RATIOS if clip and with_zero else (1.0,):
+        shrink = (hi - lo) * (1 - ratio) / 2
+        top = hi - shrink
+        zero = (lo + shrink).to(torch.float16)
+        scale = ((top - zero.to(x.dtype)) / levels).to(torch.float16)
+        scale = torch.where(
+            (scale.to(x.dtype) * levels + zero.to(x.dtype)) < top,
+            torch.nextafter(scale, torch.full_like(scale, math.inf)),  # full_like: no host copy (graph capture)
+            scale,
+        )
+        safe = torch.where(scale > 0, scale.to(x.dtype), torch.ones_like(hi))
+        q = torch.round((g - zero.to(x.dtype)[..., None]) / safe[..., None]).clamp(0, levels)
+        if best is None:
+            best = (q, scale, zero)
+            if clip and with_zero:
+                best_err = (q * scale.to(x.dtype)[..., None] + zero.to(x.dtype)[..., None] - g).square().sum(-1)
+            continue
+        err = (q * scale.to(x.dtype)[..., None] + zero.to(x.dtype)[..., None] - g).square().sum(-1)
+        better = err < best_err
+        best = (
+            torch.where(better[..., None], q, best[0]),
+            torch.where(better, scale, best[1]),
+            torch.where(better, zero, best[2]),
+        )
+        best_err = torch.where(better, err, best_err)
+    q, scale, zero = best
     return pack_bits(q.flatten(-2), bits), scale, zero if with_zero else None
 
 
 def dequantize(
     packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, dtype: torch.dtype
 ) -> torch.Tensor:
+    """Inverse of `quantize` (the V rows): x[c] = q[c] * scale[c // group] + zero[c // group], group = d / groups.
+
+    packed uint8 [..., d*bits/8] (`pack_bits` layout), scale / zero fp16 [..., d/group] -> [..., d] in `dtype`."""
     q = unpack_bits(packed, bits).to(dtype).unflatten(-1, (scale.shape[-1], -1))
     out = q * scale.to(dtype)[..., None]
     if zero is not None:
         out = out + zero.to(dtype)[..., None]
     return out.flatten(-2)
+
+
+#: clip ratios tried per group by `magnitude_codes(clip=True)` (scale = ratio x max / 2^bits, least squared error)
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
+def magnitude_codes(
+    g: torch.Tensor, bits: int, midrise: bool, clip: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale-only quantization of magnitudes g >= 0 along the last axis (one group): -> (codes uint8 [..., n] in
+    [0, 2^bits), scale fp16 [...]).
+
+    midrise: level q reads (q + 1/2) x scale with scale = max / 2^bits, q = min(floor(x / scale), 2^bits - 1)
+    (level 0 is not 0: the sign is stored apart, so an exact 0 is not needed); |x - read| <= scale / 2.
+    Otherwise (mid-tread): level q reads q x scale, scale = max / (2^bits - 1), q = round(x / scale).
+    The fp16 scale is rounded up where needed so that the levels still cover the group's max.
+    clip: the scale is the one of CLIP_RATIOS x max with the least squared error of the group (values above the
+    top level are clamped to it); the read formula does not change.
+    """
+    levels = 1 << bits if midrise else (1 << bits) - 1
+    hi = g.amax(-1)
+    best_q = best_scale = best_err = None
+    for ratio in CLIP_RATIOS if clip else (1.0,):
+        top = hi * ratio
+        scale = (top / levels).to(torch.float16)
+        scale = torch.where(
+            scale.to(g.dtype) * levels < top,
+            torch.nextafter(scale, torch.full_like(scale, math.inf)),  # full_like: no host copy (graph capture)
+            scale,
+        )
+        s = scale.to(g.dtype)
+        safe = torch.where(scale > 0, s, torch.ones_like(s))[..., None]
+        if midrise:
+            q = torch.floor(g / safe).clamp(0, levels - 1)
+            read = (q + 0.5) * s[..., None]
+        else:
+            q = torch.round(g / safe).clamp(0, levels)
+            read = q * s[..., None]
+        if best_q is None:
+            best_q, best_scale = q, scale
+            if clip:
+                best_err = (read - g).square().sum(-1)
+            continue
+        err = (read - g).square().sum(-1)
+        better = err < best_err
+        best_q = torch.where(better[..., None], q, best_q)
+        best_scale = torch.where(better, scale, best_scale)
+        best_err = torch.where(better, err, best_err)
+    return best_q.to(torch.uint8), best_scale
+
+
+def dequantize_keys(
+    sign_bits: torch.Tensor,
+    k_mag: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor | None,
+    mu: torch.Tensor,
+    alpha: torch.Tensor,
+    bits: int,
+    midrise: bool,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """K - mu of gathered compressed rows (both K layouts; the caller gathers each token's own scale row):
+
+        K[c] - mu[c] = sign[c] x alpha[c] x m[c],  sign[c] = +1 if bit c of the sign words is set else -1,
+        m[c] = (q[c] + 1/2) x scale[c // r]                  (midrise)
+        m[c] = q[c] x scale[c // r] (+ zero[c // r] if any)  (mid-tread; the paper's layout has zeros)
+
+    sign_bits int32 [..., ceil(d/32)] (`pack_sign_bits`: channel c in bit c % 32 of word c // 32); k_mag uint8
+    [..., d*bits/8] (`pack_bits`: 2/4 bits: element i in bits (i % per_byte) x bits of byte i // per_byte; 3 bits: the
+    low 2 bits of every element as a 2-bit plane of d/4 bytes, then the high bits as a 1-bit plane of d/8 bytes);
+    k_scale fp16 [..., d/r]: r = k_group channels per scale ("token" axis) or r = 1 ("channel" axis: the token's
+    block row, one scale per channel); mu, alpha float [..., d] (broadcastable: per kv-head). Returns [..., d].
+    """
+    d = mu.shape[-1]
+    ch = torch.arange(d, device=sign_bits.device)
+    sign = ((sign_bits[..., ch // 32] >> (ch % 32).to(torch.int32)) & 1).to(dtype) * 2 - 1
+    q = unpack_bits(k_mag, bits).to(dtype)
+    if midrise:
+        q = q + 0.5
+    rep = d // k_scale.shape[-1]
+    mag = q * k_scale.to(dtype).repeat_interleave(rep, -1)
+    if k_zero is not None:
+        mag = mag + k_zero.to(dtype).repeat_interleave(rep, -1)
+    return sign * mag * alpha.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -360,6 +473,10 @@ class SelfIndexSelector(TokenSelector):
     v_group: int = 64
     k_zero: bool = False
     sink_share: float = 0.25
+    k_axis: str = "token"
+    k_midrise: bool = False
+    k_clip: bool = False
+    v_clip: bool = False
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -377,8 +494,26 @@ class SelfIndexSelector(TokenSelector):
         share = options.get("sink_share", 0.25)
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ConfigError(f"self-index sink_share must be a number in (0, 1], got {share!r}")
-        if not isinstance(options.get("k_zero", True), bool):
-            raise ConfigError("self-index k_zero must be true or false")
+        for name in ("k_zero", "k_midrise", "k_clip", "v_clip"):
+            if not isinstance(options.get(name, False), bool):
+                raise ConfigError(f"self-index {name} must be true or false")
+        if options.get("k_zero", False) and (options.get("k_midrise", False) or options.get("k_clip", False)):
+            raise ConfigError("self-index k_midrise / k_clip apply to scale-only magnitudes: set k_zero=false")
+        axis = options.get("k_axis", "token")
+        if axis not in ("token", "channel"):
+            raise ConfigError(f"self-index k_axis must be 'token' or 'channel', got {axis!r}")
+        if axis == "channel":
+            if options.get("k_zero", False):
+                raise ConfigError("self-index k_axis=channel stores no zero points: set k_zero=false")
+            group, residual = options.get("k_group", QUANT_GROUP), options.get("residual", 64)
+            if isinstance(residual, int) and not isinstance(residual, bool) and (
+                residual <= 0 or residual % group
+            ):
+                raise ConfigError(
+                    "self-index k_axis=channel compresses K a block of k_group tokens at a time once the block is "
+                    f"full, so residual must be a positive multiple of k_group; got residual={residual}, "
+                    f"k_group={group}"
+                )
         for name in ("sink_tokens", "residual", "rescore"):
             value = options.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -394,7 +529,8 @@ class SelfIndexSelector(TokenSelector):
         d = self.layer.head_dim
         if d % GROUP_DIMS:
             raise ConfigError(f"self-index needs a head_dim divisible by {GROUP_DIMS}, got {d}")
-        self.k_group = quant_group_size(d, self.k_group)
+        if self.k_axis == "token":
+            self.k_group = quant_group_size(d, self.k_group)
         self.v_group = quant_group_size(d, self.v_group)
         if (
             self.k_bits == 0
@@ -409,6 +545,11 @@ class SelfIndexSelector(TokenSelector):
         )  # 16-bit copy of the current block(s)
         self._tail_start = 0
         self.decode_start = 0
+        # k_axis="channel": one fp16 scale row [d] per block of k_group tokens; blocks end at the prompt's end and
+        # then every k_group decode tokens, so token t is in block row (t + _k_pad) // k_group
+        self._k_blocks = _Buffers(step=8)
+        self._k_pad = 0
+        self._k_done = 0  # tokens [0, _k_done) have their compressed |K|; later ones are read from the tail
         self.mu = self.alpha = self.centroids = None
         self.sink_positions = self.sink_rank = self.sink_keys = self.sink_values = None
 
@@ -465,25 +606,56 @@ class SelfIndexSelector(TokenSelector):
                 self.sink_keys = keys.gather(2, idx).to(fp)
                 self.sink_values = values.gather(2, idx).to(fp)
         self._prefilled = True
-        self._append(keys, values, prompt=True)
+        exclude = None  # tokens left out of the channel-axis block scales: padding, and sinks (read at 16-bit)
+        if self.compressed and self.k_axis == "channel":
+            self._k_pad = (-n) % self.k_group
+            exclude = torch.zeros(b, k.shape[1], n + 1, dtype=torch.bool, device=k.device)
+            if self.sink_keys is not None:
+                exclude.scatter_(-1, self.sink_positions.long().clamp(max=n), True)
+            exclude = exclude[..., :n]
+            if key_mask is not None:
+                exclude = exclude | ~key_mask.bool()[:, None]
+        self._append(keys, values, prompt=True, exclude=exclude)
         self.decode_start = n
         self._tail_start = n
 
-    def _append(self, keys: torch.Tensor, values: torch.Tensor, prompt: bool = False) -> None:
+    def _append(
+        self, keys: torch.Tensor, values: torch.Tensor, prompt: bool = False, exclude: torch.Tensor | None = None
+    ) -> None:
         work = self._work_dtype(keys)
         centred = keys.to(work) - self.mu
         parts = {"sign_bits": pack_sign_bits(centred)}
+        channel = self.compressed and self.k_axis == "channel"
         if self.compressed:
-            mag, mag_scale, mag_zero = quantize(
-                centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
-            )
-            val, val_scale, val_zero = quantize(values.to(work), self.kv_bits, self.v_group)
-            parts.update(k_mag=mag, k_scale=mag_scale, v=val, v_scale=val_scale, v_zero=val_zero)
-            if mag_zero is not None:
-                parts["k_zero"] = mag_zero
+            if channel:  # filled in by _compress_k_blocks once the token's block is full
+                b, h, t, d = keys.shape
+                parts["k_mag"] = keys.new_zeros(b, h, t, d * self.k_bits // 8, dtype=torch.uint8)
+            elif self.k_zero:  # the paper's layout: asymmetric, scale and zero per k_group channels
+                mag, mag_scale, mag_zero = quantize(centred.abs() / self.alpha, self.k_bits, self.k_group)
+                parts.update(k_mag=mag, k_scale=mag_scale, k_zero=mag_zero)
+            else:
+                groups = (centred.abs() / self.alpha).unflatten(-1, (-1, self.k_group))
+                codes, mag_scale = magnitude_codes(groups, self.k_bits, self.k_midrise, self.k_clip)
+                parts.update(k_mag=pack_bits(codes.flatten(-2), self.k_bits), k_scale=mag_scale)
+            val, val_scale, val_zero = quantize(values.to(work), self.kv_bits, self.v_group, clip=self.v_clip)
+            parts.update(v=val, v_scale=val_scale, v_zero=val_zero)
         else:
             parts.update(k_full=keys, v_full=values)
         self._store.append(**parts)
+        if channel and prompt:
+            self._compress_k_blocks(centred, 0, exclude)
+            self._k_done = self._store.length
+        elif channel:
+            # the blocks completed by these tokens, from the 16-bit copies (the tail holds every token from
+            # _k_done on; new tokens are rounded to the tail's dtype first, so chunked == token-by-token)
+            new = keys.to(self._fp_dtype(keys)).to(work) - self.mu
+            held = self._k_done - self._tail_start
+            if self._tail.length > held:
+                new = torch.cat([self._tail.view("k")[:, :, held:].to(work) - self.mu, new], dim=2)
+            count = new.shape[2] // self.k_group * self.k_group
+            if count:
+                self._compress_k_blocks(new[:, :, :count], self._k_done)
+                self._k_done += count
         if prompt or not self.compressed or self.residual == 0:
             return
         # 16-bit copy of the decode tokens from the block of the first new token on (older blocks are full)
@@ -498,6 +670,25 @@ class SelfIndexSelector(TokenSelector):
             self._tail_start = block
         fp = self._fp_dtype(keys)
         self._tail.append(k=keys.to(fp), v=values.to(fp))
+
+    def _compress_k_blocks(self, centred: torch.Tensor, start: int, exclude: torch.Tensor | None = None) -> None:
+        """k_axis="channel": |K - mu| / alpha of the tokens [start, start + T) (centred [B, H, T, d]; full blocks,
+        except that the prompt's first block may be short) -> one fp16 scale per channel and block (scale rows
+        appended to _k_blocks) and per-token codes (written into the store's k_mag rows). `exclude` [B, H, T]
+        tokens (padding, 16-bit sinks) do not count towards their block's scales (their codes are never read)."""
+        g = self.k_group
+        x = centred.abs() / self.alpha
+        if exclude is not None:
+            x = x.masked_fill(exclude[..., None], 0)
+        pad = (-x.shape[2]) % g  # only the prompt's first block can be short: pad it at the front
+        if pad:
+            x = F.pad(x, (0, 0, pad, 0))
+        b, h, t, d = x.shape
+        blocks = x.view(b, h, t // g, g, d).transpose(-1, -2)  # [B, H, NB, d, G]
+        codes, scale = magnitude_codes(blocks, self.k_bits, self.k_midrise, self.k_clip)
+        codes = codes.transpose(-1, -2).reshape(b, h, t, d)[:, :, pad:]
+        self._store.tensors["k_mag"][:, :, start : start + t - pad] = pack_bits(codes, self.k_bits)
+        self._k_blocks.append(k_scale=scale)
 
     # --- selection ----------------------------------------------------------------------------------------------
 
@@ -591,9 +782,12 @@ class SelfIndexSelector(TokenSelector):
         return torch.full_like(scores, float("-inf")).scatter(-1, index, second)
 
     def _candidate_scores(self, step: DecodeStep, index: torch.Tensor) -> torch.Tensor:
-        """q . (K - mu) for the tokens `index` [B, S, Q, C] of each row, with the keys as stored (compressed: sign x
-        dequantized magnitude x alpha). The query is summed over the group for gqa="group" (exact by linearity);
-        q . mu is the same for every key of a row and is left out."""
+        """q . (K - mu) for the tokens `index` [B, S, Q, C] of each row, with the keys as the row's query reads them
+        in attention (`read_keys`: compressed tokens dequantized, sinks and the query's residual block at 16-bit).
+        The query is summed over the group for gqa="group" (exact by linearity); q . mu is the same for every key
+        of a row and is left out."""
+        if (on_kernels := _self_index_device.candidate_scores(self, step, index)) is not None:
+            return on_kernels
         layer = step.layer
         work = self.mu.dtype
         query = step.query.to(work)
@@ -603,39 +797,90 @@ class SelfIndexSelector(TokenSelector):
         s, c = index.shape[1], index.shape[-1]
         out = torch.empty(index.shape, dtype=work, device=index.device)
         chunk = max(1, (1 << 22) // max(1, b * s * c * d))
+        n = self._store.length
         for lo in range(0, q_len, chunk):
             hi = min(q_len, lo + chunk)
-            keys = self._gather_keys(index[:, :, lo:hi])  # [B, S, q, C, d]
+            positions = torch.arange(n - q_len + lo, n - q_len + hi, device=index.device)
+            keys = self.read_keys(index[:, :, lo:hi], positions)  # [B, S, q, C, d]
             out[:, :, lo:hi] = torch.einsum("bsqd,bsqcd->bsqc", query[:, :, lo:hi], keys)
         return out.float()
 
-    def _gather_keys(self, indices: torch.Tensor) -> torch.Tensor:
-        """K - mu as stored for the tokens `indices` [B, S, Q, K] -> [B, S, Q, K, d] (no sink/residual copies)."""
+    def _gather(self, buffers: _Buffers, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """Rows `indices` [B, S, Q, K] of buffers[name] [B, Hkv, N, c] (S = kv heads or query heads) ->
+        [B, S, Q, K, c]."""
+        b, s, q, k = indices.shape
+        rep = s // self.layer.num_kv_heads
+        src = buffers.view(name)
+        src = src.repeat_interleave(rep, dim=1) if rep > 1 else src
+        flat = indices.reshape(b, s, q * k, 1).expand(-1, -1, -1, src.shape[-1])
+        return src.gather(2, flat).view(b, s, q, k, src.shape[-1])
+
+    def _per_sel_head(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        rep = heads // self.layer.num_kv_heads
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+    def read_keys(self, indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """K - mu as read by the queries at `positions` [Q] for the tokens `indices` [B, S, Q, K] ->
+        [B, S, Q, K, d]: compressed tokens through `dequantize_keys`, sinks and each query's residual block from
+        their 16-bit copies."""
+        s = indices.shape[1]
+        work = self.mu.dtype
+        mu = self._per_sel_head(self.mu, s)[:, :, None]  # [B, S, 1, 1, d]
+        if not self.compressed:
+            return self._gather(self._store, "k_full", indices).to(work) - mu
+        if self.k_axis == "channel":
+            blocks = self._k_blocks.length
+            rows = ((indices + self._k_pad) // self.k_group).clamp(max=blocks - 1)  # later tokens: tail copies
+            scale = self._gather(self._k_blocks, "k_scale", rows)
+        else:
+            scale = self._gather(self._store, "k_scale", indices)
+        keys = dequantize_keys(
+            self._gather(self._store, "sign_bits", indices),
+            self._gather(self._store, "k_mag", indices),
+            scale,
+            self._gather(self._store, "k_zero", indices) if self.k_zero else None,
+            mu,
+            self._per_sel_head(self.alpha, s)[:, :, None],
+            self.k_bits,
+            self.k_midrise,
+            work,
+        )
+        return self._override_fp(indices, positions, keys, "k") - mu
+
+    def _override_fp(
+        self, indices: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, which: str
+    ) -> torch.Tensor:
+        """rows [B, S, Q, K, d] (K or V, without mu) with the sinks and each query's residual block replaced by
+        their 16-bit copies (`which` = "k" or "v")."""
         b, s, q, k = indices.shape
         d = self.layer.head_dim
-        rep = s // self.layer.num_kv_heads
-        work = self.mu.dtype
-
-        def gather(name: str) -> torch.Tensor:
-            src = self._store.view(name)
-            src = src.repeat_interleave(rep, dim=1) if rep > 1 else src
-            flat = indices.reshape(b, s, q * k, 1).expand(-1, -1, -1, src.shape[-1])
-            return src.gather(2, flat).view(b, s, q, k, src.shape[-1])
-
-        if not self.compressed:
-            mu = self.mu.repeat_interleave(rep, dim=1) if rep > 1 else self.mu
-            return gather("k_full").to(work) - mu[:, :, None]
-        bits = gather("sign_bits")
-        ch = torch.arange(d, device=indices.device)
-        sign = ((bits[..., ch // 32] >> (ch % 32).to(torch.int32)) & 1).to(work) * 2 - 1
-        zero = gather("k_zero") if self.k_zero else None
-        mag = dequantize(gather("k_mag"), gather("k_scale"), zero, self.k_bits, work)
-        alpha = self.alpha.repeat_interleave(rep, dim=1) if rep > 1 else self.alpha
-        return sign * mag * alpha[:, :, None]
+        work = rows.dtype
+        if which == "k":
+            rows = rows + self._per_sel_head(self.mu, s)[:, :, None]
+        if self.sink_positions is not None and self.sink_keys is not None:
+            sink_pos = self._per_sel_head(self.sink_positions.long(), s)
+            flat_idx = indices.reshape(b, s, q * k).contiguous()
+            slot = torch.searchsorted(sink_pos.contiguous(), flat_idx).clamp(max=sink_pos.shape[-1] - 1)
+            is_sink = (sink_pos.gather(-1, slot) == flat_idx).view(b, s, q, k, 1)
+            flat = slot[..., None].expand(-1, -1, -1, d)
+            src = self.sink_keys if which == "k" else self.sink_values
+            sink = self._per_sel_head(src, s).to(work).gather(2, flat).view(b, s, q, k, d)
+            rows = torch.where(is_sink, sink, rows)
+        if self.residual > 0 and self._tail.length > 0:
+            block = (
+                self.decode_start + (positions - self.decode_start) // self.residual * self.residual
+            )  # [Q]
+            in_block = (indices >= block[None, None, :, None]) & (indices >= self._tail_start)
+            local = (indices - self._tail_start).clamp(0, self._tail.length - 1)
+            tail = self._gather(self._tail, which, local).to(work)
+            rows = torch.where(in_block[..., None], tail, rows)
+        return rows
 
     # --- attention over the gathered tokens -------------------------------------------------------------------
 
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
+        if (on_kernels := _self_index_device.attend(self, step, selection, scaling)) is not None:
+            return on_kernels  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
             keys, values = self._store.view("k_full"), self._store.view("v_full")
             return sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling)
@@ -663,46 +908,16 @@ class SelfIndexSelector(TokenSelector):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """indices [B, S, Q, K] (S = kv heads or query heads), positions [Q] of the queries ->
         K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit)."""
-        b, s, q, k = indices.shape
-        hkv, d = self.layer.num_kv_heads, self.layer.head_dim
-        rep = s // hkv
         work = self.mu.dtype
-
-        def per_sel_head(t: torch.Tensor) -> torch.Tensor:
-            return t.repeat_interleave(rep, dim=1) if rep > 1 else t
-
-        def gather(name: str) -> torch.Tensor:
-            src = per_sel_head(self._store.view(name))  # [B, S, N, c]
-            c = src.shape[-1]
-            flat = indices.reshape(b, s, q * k, 1).expand(-1, -1, -1, c)
-            return src.gather(2, flat).view(b, s, q, k, c)
-
-        keys = per_sel_head(self.mu)[:, :, None] + self._gather_keys(indices)
-        values = dequantize(gather("v"), gather("v_scale"), gather("v_zero"), self.kv_bits, work)
-
-        if self.sink_positions is not None and self.sink_keys is not None:
-            sink_pos = per_sel_head(self.sink_positions.long())
-            flat_idx = indices.reshape(b, s, q * k).contiguous()
-            slot = torch.searchsorted(sink_pos.contiguous(), flat_idx).clamp(max=sink_pos.shape[-1] - 1)
-            is_sink = (sink_pos.gather(-1, slot) == flat_idx).view(b, s, q, k, 1)
-            flat = slot[..., None].expand(-1, -1, -1, d)
-            sink_k = per_sel_head(self.sink_keys).to(work).gather(2, flat).view(b, s, q, k, d)
-            sink_v = per_sel_head(self.sink_values).to(work).gather(2, flat).view(b, s, q, k, d)
-            keys = torch.where(is_sink, sink_k, keys)
-            values = torch.where(is_sink, sink_v, values)
-
-        if self.residual > 0 and self._tail.length > 0:
-            block = (
-                self.decode_start + (positions - self.decode_start) // self.residual * self.residual
-            )  # [Q]
-            in_block = (indices >= block[None, None, :, None]) & (indices >= self._tail_start)
-            local = (indices - self._tail_start).clamp(0, self._tail.length - 1)
-            flat = local.reshape(b, s, q * k, 1).expand(-1, -1, -1, d)
-            tail_k = per_sel_head(self._tail.view("k")).to(work).gather(2, flat).view(b, s, q, k, d)
-            tail_v = per_sel_head(self._tail.view("v")).to(work).gather(2, flat).view(b, s, q, k, d)
-            keys = torch.where(in_block[..., None], tail_k, keys)
-            values = torch.where(in_block[..., None], tail_v, values)
-        return keys, values
+        keys = self._per_sel_head(self.mu, indices.shape[1])[:, :, None] + self.read_keys(indices, positions)
+        values = dequantize(
+            self._gather(self._store, "v", indices),
+            self._gather(self._store, "v_scale", indices),
+            self._gather(self._store, "v_zero", indices),
+            self.kv_bits,
+            work,
+        )
+        return keys, self._override_fp(indices, positions, values, "v")
 
     def _attend_chunk(self, query, indices, valid, positions, scaling) -> torch.Tensor:
         b, hq, q, d = query.shape
@@ -724,7 +939,9 @@ class SelfIndexSelector(TokenSelector):
         out = {
             "sign_bits": store.get("sign_bits", 0),
             "k_quant": store.get("k_mag", 0),
-            "k_scale_zero": store.get("k_scale", 0) + store.get("k_zero", 0),
+            "k_scale_zero": store.get("k_scale", 0)
+            + store.get("k_zero", 0)
+            + sum(self._k_blocks.nbytes().values()),
             "v_quant": store.get("v", 0),
             "v_scale_zero": store.get("v_scale", 0) + store.get("v_zero", 0),
             "kv_full": store.get("k_full", 0) + store.get("v_full", 0),
