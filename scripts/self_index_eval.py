@@ -4,10 +4,11 @@
 
 * memory: `measure_cache_memory` (bytes of the tensors held) after a 4K haystack prefill + 8 decode steps, vs a
   bf16 dense cache (per component; the compressed layers' ratio does not depend on which layers stay dense);
-* ppl: `sparsekv.eval.ppl.run_ppl` on one 4K window of the haystack: dense prefill of 3072 tokens, then the other
-  1024 in chunks of 256 through the enabled model (each query selects from its own causal past: decode-faithful),
-  dense vs self-index (default options) at 10% (ppl16: the 16-bit variant; ppl_paper: the paper's layout, LUT-only
-  top-k, 64 sinks always forced, 2-bit |K| and V with scale+zero per 32);
+* ppl: `sparsekv.eval.ppl.run_ppl` on one 4K window of the haystack (token offset --ppl-start, 0 by default):
+  dense prefill of 3072 tokens, then the other 1024 in chunks of 256 through the enabled model (each query
+  selects from its own causal past: decode-faithful), dense vs self-index (default options) at 10% (ppl16: the
+  16-bit variant; ppl_paper: the paper's layout, LUT-only top-k, 64 sinks always forced, 2-bit |K| (token-wise)
+  and V with scale+zero per 32);
 * niah: `sparsekv.eval.niah.run_niah`, 1K/2K/3K tokens at depth 0.5, dense vs self-index 2-bit at 10% (niah16);
 * iou: post-RoPE q/k captured from one dense pass over 2K tokens; prompt = first half (mu, codebook, lsh centring),
   24 queries in the second half; top-10% of each scorer vs oracle top-10% (group-summed softmax weights), IoU
@@ -57,12 +58,17 @@ PAPER = {
     "sink_tokens": 64,
     "sink_share": 1.0,
     "k_bits": 2,
+    "k_axis": "token",
     "k_group": 32,
     "v_group": 32,
     "k_zero": True,
+    "v_clip": False,
 }
 SI_PAPER = SparseConfig(method="self-index", budget=0.1, options=PAPER)
 DENSE = SparseConfig(method="dense")
+
+
+PPL_START = 0  # token offset of the ppl window in the haystack (--ppl-start; the reported window is 0)
 
 
 def ppl_section(model, tokenizer, quick: bool, configs: dict | None = None) -> dict:
@@ -71,7 +77,11 @@ def ppl_section(model, tokenizer, quick: bool, configs: dict | None = None) -> d
 
     handle = ModelHandle(model=model, tokenizer=tokenizer, name="default")
     settings = PplSettings(
-        context=1024 if quick else 4096, prefix=768 if quick else 3072, chunk=256, windows=1
+        context=1024 if quick else 4096,
+        prefix=768 if quick else 3072,
+        chunk=256,
+        windows=1,
+        start=PPL_START,
     )
     configs = configs or {"dense": DENSE, "self-index-2bit": SI2}
     out = {}
@@ -250,13 +260,23 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("runs/self_index_eval.json"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sections", default="memory,ppl,niah,iou,ppl16,niah16")
+    parser.add_argument(
+        "--ppl-start",
+        type=int,
+        default=0,
+        help="haystack token offset of the ppl window (0 = the reported window; the defaults of 2026-11 were "
+        "chosen on 65536)",
+    )
     args = parser.parse_args()
+    global PPL_START
+    PPL_START = args.ppl_start
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     from sparsekv.models import load_model
 
     model, tokenizer = load_model("default", dtype=torch.float32)
     results = json.loads(args.output.read_text()) if args.output.exists() else {}
     results["quick"] = args.quick
+    results["ppl_start"] = args.ppl_start
     sections = {
         "memory": memory_section,
         "iou": iou_section,

@@ -184,7 +184,10 @@ def test_clipped_scales_never_increase_the_squared_error():
         plain_q, plain_s = magnitude_codes(x, 3, midrise)
         clip_q, clip_s = magnitude_codes(x, 3, midrise, clip=True)
         off = 0.5 if midrise else 0.0
-        err = lambda q, sc: ((q.float() + off) * sc.float()[..., None] - x).square().sum(-1)  # noqa: E731
+
+        def err(q, sc, off=off):
+            return ((q.float() + off) * sc.float()[..., None] - x).square().sum(-1)
+
         assert (err(clip_q, clip_s) <= err(plain_q, plain_s) + 1e-6).all()
         assert (err(clip_q, clip_s) < err(plain_q, plain_s) - 1e-6).any()
         assert (clip_s <= plain_s).all() and (clip_s.float() >= 0.69 * plain_s.float()).all()
@@ -195,7 +198,10 @@ def test_clipped_value_ranges_never_increase_the_squared_error():
     plain = dequantize(*quantize(x, 2, 64), 2, torch.float32)
     packed, scale, zero = quantize(x, 2, 64, clip=True)
     clipped = dequantize(packed, scale, zero, 2, torch.float32)
-    err = lambda y: (y - x).square().unflatten(-1, (2, 64)).sum(-1)  # noqa: E731
+
+    def err(y):
+        return (y - x).square().unflatten(-1, (2, 64)).sum(-1)
+
     assert (err(clipped) <= err(plain) + 1e-5).all() and err(clipped).sum() < 0.8 * err(plain).sum()
     # the stored range lies inside [min, max] and is at least V_CLIP_RATIOS[-1] of it
     g = x.unflatten(-1, (2, 64))
@@ -278,7 +284,7 @@ def test_compressed_keys_round_trip_error_and_signs():
     )  # channels of different scale
     values = torch.randn(1, 3, 200, 64, generator=gen)
     query = torch.randn(1, 9, 200, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=0), keys, values, query)
+    sel = prefilled(selector(sink_tokens=0, k_axis="token", v_clip=False), keys, values, query)
     idx = torch.arange(200).view(1, 1, 1, 200).expand(1, 3, 1, 200)
     k_hat, v_hat = sel.gather_dequantized(idx, torch.tensor([199]))
     k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
@@ -389,15 +395,16 @@ def ids_for(model, batch, length, seed):
 
 
 @pytest.mark.parametrize(("gqa", "options"), [
-    ("group", {"sink_tokens": 4, "residual": 8}),
-    ("head", {"sink_tokens": 4, "residual": 8}),
-    ("group", {"sink_tokens": 0, "residual": 0}),
-    ("head", {"kv_bits": 4, "sink_tokens": 2, "residual": 5}),
-    ("group", {"sink_tokens": 4, "residual": 8, "rescore": 2}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_group": 8}),
+    ("head", {"sink_tokens": 4, "residual": 8, "k_group": 4}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_group": 8, "rescore": 2}),
+    ("head", {"sink_tokens": 2, "residual": 16, "k_group": 8, "k_clip": True}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_group": 4, "k_midrise": True, "v_clip": False}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "token"}),
+    ("group", {"sink_tokens": 0, "residual": 0, "k_axis": "token"}),
+    ("head", {"kv_bits": 4, "sink_tokens": 2, "residual": 5, "k_axis": "token"}),
     ("head", {"kv_bits": 16, "sink_tokens": 2, "rescore": 3}),
-    ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "channel", "k_group": 4, "k_midrise": True}),
-    ("head", {"sink_tokens": 2, "residual": 16, "k_axis": "channel", "k_group": 8, "k_clip": True}),
-    ("group", {"sink_tokens": 4, "residual": 8, "k_midrise": True, "k_clip": True, "v_clip": True}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "token", "k_midrise": True, "k_clip": True}),
 ])  # fmt: skip
 def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
     config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), gqa=gqa, options=options)
@@ -474,7 +481,7 @@ def test_memory_breakdown_is_under_a_quarter_of_bf16_at_4k():
     assert per_token_head["k_quant"] == pytest.approx(24, rel=0.05)  # 64 x 3 bits
     assert per_token_head["k_scale_zero"] == pytest.approx(
         4, rel=0.05
-    )  # 2 groups x scale (zero fixed at 0) x fp16
+    )  # channel axis: 64 channels x fp16 per 32 tokens (zero fixed at 0)
     assert per_token_head["v_quant"] == pytest.approx(16, rel=0.05)  # 64 x 2 bits
     assert per_token_head["v_scale_zero"] == pytest.approx(4, rel=0.05)  # 1 group x (scale + zero) x fp16
     assert parts["kv_full"] == 0

@@ -11,28 +11,38 @@ Per layer and kv-head, at the prefill:
   the top-k of these scores (GQA "group": the group's queries are summed first, which is exact by linearity) is
   the selection, with the method's sink tokens always in front;
 * second stage (`rescore`, default 3; 0 = the paper's LUT-only top-k): the LUT's best 3 x budget tokens of a row
-  are re-ranked by q . K read from the cache itself (sign x dequantized magnitude x alpha) and the best `budget`
-  kept. Measured on SmolLM2 (2K window, 10%): the LUT alone keeps 65% of the exact attention mass (81% with token
-  0 forced), the re-ranked selection 87-89%, the oracle 93%; the LUT's centroids cannot tell an outlier key from
-  an ordinary one with the same sign pattern, and those outliers carry the attention;
+  are re-ranked by q . K as that row's query reads K in attention (`read_keys`: compressed tokens dequantized,
+  sinks and the query's residual block from their 16-bit copies) and the best `budget` kept. Measured on SmolLM2
+  (2K window, 10%): the LUT alone keeps 65% of the exact attention mass (81% with token 0 forced), the re-ranked
+  selection 87-89%, the oracle 93%; the LUT's centroids cannot tell an outlier key from an ordinary one with the
+  same sign pattern, and those outliers carry the attention;
 * storage: the sign bits are the index *and* the sign of the stored key (1 bit per element). The magnitudes
-  |K - mu| / alpha (alpha = per-channel abs max over the prompt) are quantized token-wise to `k_bits` (3 by
-  default, the paper uses 2) bits with a float16 scale per 32 elements (zero fixed at 0: magnitudes are >= 0), the
-  values V to `kv_bits` (2) bits with a float16 scale and zero per 64 elements (the paper: 32). Same bytes per
-  token as the paper's layout; measured by perplexity, K's error dominated (2-bit V with exact K: 27.7 vs 27.1
-  for 16-bit; 2-bit |K| with exact V: 35.4). Nothing else of a compressed token is kept; attention gathers the
-  selected tokens and dequantizes only those.
-* `sink_tokens` (32; the paper: 64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the last 32 prompt
-  queries, summed over the group, avg-pooled with kernel 5) and kept at 16-bit precision; the selection includes
-  them first (inside the budget, ranked by their SnapKV weight), at most `sink_share` (1/4) of a query's budget.
+  |K - mu| / alpha (alpha = per-channel abs max over the prompt) are quantized to `k_bits` (3 by default, the
+  paper uses 2) bits, scale only (levels q x scale, q = 0..2^k_bits - 1, zero fixed at 0: magnitudes are >= 0).
+  Default `k_axis="channel"` (KIVI-style): one float16 scale per channel per block of `k_group` (32) tokens, so an
+  outlier channel no longer coarsens the other channels of its token (`k_axis="token"`: one scale per 32
+  channels of one token, the layout before). The values V are quantized token-wise to `kv_bits` (2) bits with a
+  float16 scale and zero per 64 elements (the paper: 32), the range clipped per group to the least squared error
+  (`v_clip`). Same bytes per token as the paper's layout. `dequantize_keys` / `dequantize` are the formulas of
+  the gathered K / V rows. Nothing else of a compressed token is kept; attention gathers the selected tokens and
+  dequantizes only those.
+* `sink_tokens` (32; the paper: 64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the
+  last 32 prompt queries, summed over the group, avg-pooled with kernel 5) and kept at 16-bit precision; the
+  selection includes them first (inside the budget, ranked by their SnapKV weight), at most `sink_share` (1/4) of
+  a query's budget.
 
-Decode tokens (decision): every new token is compressed as soon as it is stored, with the prompt's mu/alpha and
-codebook (its code is its sign pattern; codebooks are not updated, so nothing depends on future tokens).
-Additionally the tokens of the current *residual block* stay readable at 16-bit: blocks of `residual` tokens are
-counted from the first decode position, and a query at position p reads the tokens of its own block (positions
-block_start(p)..p) at 16-bit and every older token compressed. That is exactly what token-by-token decoding does
-when a block's 16-bit copy is dropped once the block is full, so chunked decoding gives the same result; at rest
-the 16-bit copy holds < `residual` tokens.
+Decode tokens (decision): every new token's sign bits (its code) and V are compressed as soon as it is stored,
+with the prompt's mu/alpha and codebook (codebooks are not updated, so nothing depends on future tokens). The
+tokens of the current *residual block* stay readable at 16-bit: blocks of `residual` tokens are counted from the
+first decode position, and a query at position p reads the tokens of its own block (positions block_start(p)..p)
+at 16-bit and every older token compressed. That is exactly what token-by-token decoding does when a block's
+16-bit copy is dropped once the block is full, so chunked decoding gives the same result; at rest the 16-bit copy
+holds < `residual` tokens. With `k_axis="channel"` a token's |K| codes need its whole K block, so K is compressed
+a block at a time when the block fills: the prompt's blocks end at the prompt's end (the first block may be
+short; token t's scale row is (t + pad) // k_group, pad = (-prompt_len) mod k_group), decode blocks are every
+k_group tokens from the first decode position, and `residual` must be a multiple of k_group, so a block is always
+full (and compressed, from the tokens' 16-bit copies) before any query reads it compressed. Block scales leave out
+padding and the 16-bit sinks.
 
 `kv_bits=16` keeps K/V in the input precision and uses only the 1-bit index (the paper's "16,16,1" row); it then
 reproduces dense attention when the budget covers the context.
@@ -447,15 +457,24 @@ class SelfIndexSelector(TokenSelector):
         the paper). 64 sinks would otherwise take most of a 10% budget below ~2K tokens.
     residual: decode tokens of the current block read at 16-bit (block size, 64; 0 = read every token compressed).
     fp_dtype: storage of the 16-bit parts of a compressed cache ("bfloat16", "float16" or "input").
-    rescore: candidates per budget token that the LUT passes to a second stage ranking them by q.K as stored
-        (sign bits x dequantized |K|); 0 = the paper's LUT-only top-k.
+    rescore: candidates per budget token that the LUT passes to a second stage ranking them by q.K as attention
+        reads K (sign bits x dequantized |K|, 16-bit sinks and residual block); 0 = the paper's LUT-only top-k.
     k_bits: bits of the |K| magnitudes (2, 3, 4; 0 = auto: 3 when kv_bits=2, else kv_bits).
-    k_group / v_group: elements per fp16 scale (and zero) of K magnitudes / V (32 / 64).
-    k_zero: store a zero point for the K magnitudes too (the magnitudes are >= 0, so scale-only loses little).
+    k_axis: "channel" (default): one fp16 |K| scale per channel per block of k_group tokens (KIVI-style; K is
+        compressed when its block fills, so `residual` must be a multiple of k_group); "token": one fp16 scale
+        (and zero with k_zero) per k_group channels of one token (the paper's axis).
+    k_group: tokens per scale row (k_axis="channel", 32) or channels per scale (k_axis="token").
+    v_group: elements (channels of one token) per fp16 scale and zero of V (64).
+    k_zero: store a zero point for the K magnitudes too (k_axis="token" only; the paper's layout).
+    k_midrise: read |K| level q as (q + 1/2) x scale with scale = max / 2^k_bits instead of q x scale with
+        scale = max / (2^k_bits - 1) (no exact zero; measured worse: magnitudes are concentrated near 0).
+    k_clip: |K| scale per group chosen among CLIP_RATIOS x max by least squared error (measured worse: it clips
+        the outliers that carry the attention).
+    v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (default true; same format).
 
-    The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_group=32, v_group=32, k_zero=true; the
-    defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by decode-faithful perplexity
-    (results/self_index.md).
+    The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_axis="token", k_group=32, v_group=32,
+    k_zero=true, v_clip=false; the defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by
+    decode-faithful perplexity (results/self_index.md).
     """
 
     name = "self-index"
@@ -473,10 +492,10 @@ class SelfIndexSelector(TokenSelector):
     v_group: int = 64
     k_zero: bool = False
     sink_share: float = 0.25
-    k_axis: str = "token"
+    k_axis: str = "channel"
     k_midrise: bool = False
     k_clip: bool = False
-    v_clip: bool = False
+    v_clip: bool = True
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -499,7 +518,7 @@ class SelfIndexSelector(TokenSelector):
                 raise ConfigError(f"self-index {name} must be true or false")
         if options.get("k_zero", False) and (options.get("k_midrise", False) or options.get("k_clip", False)):
             raise ConfigError("self-index k_midrise / k_clip apply to scale-only magnitudes: set k_zero=false")
-        axis = options.get("k_axis", "token")
+        axis = options.get("k_axis", "channel")
         if axis not in ("token", "channel"):
             raise ConfigError(f"self-index k_axis must be 'token' or 'channel', got {axis!r}")
         if axis == "channel":
