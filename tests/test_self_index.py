@@ -277,6 +277,15 @@ def test_channel_axis_keys_round_trip():
     assert ((k_hat - new_k[:, :, :32].bfloat16().float()).abs() <= step / 2 * sel.alpha * 1.01 + 1e-5).all()
 
 
+def test_k_axis_auto_resolution():
+    assert selector().k_axis == "channel" and selector().k_group == 32  # the defaults: residual 64, k_group 32
+    assert selector(residual=0).k_axis == "token"
+    assert selector(residual=48).k_axis == "token"
+    assert selector(residual=48, k_group=16).k_axis == "channel"
+    assert selector(k_zero=True).k_axis == "token"  # the paper's layout
+    assert selector(k_axis="token").k_axis == "token"
+
+
 def test_compressed_keys_round_trip_error_and_signs():
     gen = torch.Generator().manual_seed(4)
     keys = torch.randn(1, 3, 200, 64, generator=gen) * torch.linspace(

@@ -19,13 +19,12 @@ Per layer and kv-head, at the prefill:
 * storage: the sign bits are the index *and* the sign of the stored key (1 bit per element). The magnitudes
   |K - mu| / alpha (alpha = per-channel abs max over the prompt) are quantized to `k_bits` (3 by default, the
   paper uses 2) bits, scale only (levels q x scale, q = 0..2^k_bits - 1, zero fixed at 0: magnitudes are >= 0).
-  Default `k_axis="channel"` (KIVI-style): one float16 scale per channel per block of `k_group` (32) tokens, so an
-  outlier channel no longer coarsens the other channels of its token (`k_axis="token"`: one scale per 32
-  channels of one token, the layout before). The values V are quantized token-wise to `kv_bits` (2) bits with a
-  float16 scale and zero per 64 elements (the paper: 32), the range clipped per group to the least squared error
-  (`v_clip`). Same bytes per token as the paper's layout. `dequantize_keys` / `dequantize` are the formulas of
-  the gathered K / V rows. Nothing else of a compressed token is kept; attention gathers the selected tokens and
-  dequantizes only those.
+  By default (`k_axis="auto"` -> "channel", KIVI-style) one float16 scale per channel per block of `k_group`
+  (32) tokens, so an outlier channel no longer coarsens the other channels of its token (`k_axis="token"`: one
+  scale per 32 channels of one token, the layout before). The values V are quantized token-wise to `kv_bits` (2) bits with a
+  float16 scale and zero per 64 elements (the paper: 32). Same bytes per token as the paper's layout.
+  `dequantize_keys` / `dequantize` are the formulas of the gathered K / V rows. Nothing else of a compressed
+  token is kept; attention gathers the selected tokens and dequantizes only those.
 * `sink_tokens` (32; the paper: 64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the
   last 32 prompt queries, summed over the group, avg-pooled with kernel 5) and kept at 16-bit precision; the
   selection includes them first (inside the budget, ranked by their SnapKV weight), at most `sink_share` (1/4) of
@@ -460,9 +459,11 @@ class SelfIndexSelector(TokenSelector):
     rescore: candidates per budget token that the LUT passes to a second stage ranking them by q.K as attention
         reads K (sign bits x dequantized |K|, 16-bit sinks and residual block); 0 = the paper's LUT-only top-k.
     k_bits: bits of the |K| magnitudes (2, 3, 4; 0 = auto: 3 when kv_bits=2, else kv_bits).
-    k_axis: "channel" (default): one fp16 |K| scale per channel per block of k_group tokens (KIVI-style; K is
-        compressed when its block fills, so `residual` must be a multiple of k_group); "token": one fp16 scale
-        (and zero with k_zero) per k_group channels of one token (the paper's axis).
+    k_axis: "channel": one fp16 |K| scale per channel per block of k_group tokens (KIVI-style; K is compressed
+        when its block fills, so `residual` must be a positive multiple of k_group); "token": one fp16 scale (and
+        zero with k_zero) per k_group channels of one token (the paper's axis); "auto" (default): "channel" when
+        residual is a positive multiple of k_group and k_zero is false (the defaults), else "token". The
+        selector's `k_axis` attribute holds the resolved axis.
     k_group: tokens per scale row (k_axis="channel", 32) or channels per scale (k_axis="token").
     v_group: elements (channels of one token) per fp16 scale and zero of V (64).
     k_zero: store a zero point for the K magnitudes too (k_axis="token" only; the paper's layout).
@@ -470,7 +471,8 @@ class SelfIndexSelector(TokenSelector):
         scale = max / (2^k_bits - 1) (no exact zero; measured worse: magnitudes are concentrated near 0).
     k_clip: |K| scale per group chosen among CLIP_RATIOS x max by least squared error (measured worse: it clips
         the outliers that carry the attention).
-    v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (default true; same format).
+    v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (same format; measured worse
+        by perplexity although it halves the offline attention-output error).
 
     The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_axis="token", k_group=32, v_group=32,
     k_zero=true, v_clip=false; the defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by
@@ -492,10 +494,10 @@ class SelfIndexSelector(TokenSelector):
     v_group: int = 64
     k_zero: bool = False
     sink_share: float = 0.25
-    k_axis: str = "channel"
+    k_axis: str = "auto"
     k_midrise: bool = False
     k_clip: bool = False
-    v_clip: bool = True
+    v_clip: bool = False
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -518,9 +520,9 @@ class SelfIndexSelector(TokenSelector):
                 raise ConfigError(f"self-index {name} must be true or false")
         if options.get("k_zero", False) and (options.get("k_midrise", False) or options.get("k_clip", False)):
             raise ConfigError("self-index k_midrise / k_clip apply to scale-only magnitudes: set k_zero=false")
-        axis = options.get("k_axis", "channel")
-        if axis not in ("token", "channel"):
-            raise ConfigError(f"self-index k_axis must be 'token' or 'channel', got {axis!r}")
+        axis = options.get("k_axis", "auto")
+        if axis not in ("auto", "token", "channel"):
+            raise ConfigError(f"self-index k_axis must be 'auto', 'token' or 'channel', got {axis!r}")
         if axis == "channel":
             if options.get("k_zero", False):
                 raise ConfigError("self-index k_axis=channel stores no zero points: set k_zero=false")
@@ -548,6 +550,9 @@ class SelfIndexSelector(TokenSelector):
         d = self.layer.head_dim
         if d % GROUP_DIMS:
             raise ConfigError(f"self-index needs a head_dim divisible by {GROUP_DIMS}, got {d}")
+        if self.k_axis == "auto":  # channel wherever it can be (scale-only |K|, full blocks read compressed)
+            fits = self.residual > 0 and self.residual % self.k_group == 0
+            self.k_axis = "channel" if fits and not self.k_zero else "token"
         if self.k_axis == "token":
             self.k_group = quant_group_size(d, self.k_group)
         self.v_group = quant_group_size(d, self.v_group)
