@@ -1,7 +1,7 @@
-"""Device probe (issues 9/10): query-hash precision variants, prompt-key hashing tile sizes, and the histogram
-modes of the radix select.
+"""Device probe (issues 9/10): query-hash precision variants, prompt-key hashing tile sizes, the histogram
+modes of the radix select, and the self-index decode kernels' variants (LUT modes, re-rank / attention tiles).
 
-    python3 scripts/gpu_probe.py [hash,select]     # on a CUDA machine; prints one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex]     # on a CUDA machine; prints one line per variant
 """
 
 import sys
@@ -14,7 +14,7 @@ from sparsekv.kernels import _hamming_triton as ham
 from sparsekv.kernels import _sign_hash_triton as sh
 from sparsekv.kernels import _topk_triton as tk
 
-SECTIONS = sys.argv[1] if len(sys.argv) > 1 else "hash,select"
+SECTIONS = sys.argv[1] if len(sys.argv) > 1 else "hash,select,selfindex"
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
 B, HQ, HKV, D, N = 8, 32, 8, 128, 131072
@@ -74,25 +74,129 @@ if "hash" in SECTIONS:
         flush=True,
     )
     keys = None  # free it before the select section
-codes = [
-    torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
-    for _ in range(4)
-]
-qc = [
-    torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
-    for _ in range(4)
-]
-for prefetch in (False, True):
-    tk.PREFETCH["on"] = prefetch
-    for score_mode in ("packed", "atomic"):
-        tk.HIST_MODE["mode"] = score_mode
-        states = [ham.hamming_score_hist(qc[i], codes[i], bits=128, recent_first=True) for i in range(4)]
-        t_score = graph_us(lambda i: ham.hamming_score_hist(qc[i], codes[i], bits=128, recent_first=True), 4)
-        t_sel = graph_us(lambda i, states=states: ham.hamming_select(states[i], K), 4)
-        print(
-            f"prefetch {prefetch!s:5s} scorer hist {score_mode:6s}: score {t_score:.1f} us, "
-            f"select {t_sel:.1f} us, sum {t_score + t_sel:.1f} us",
-            flush=True,
+if "select" in SECTIONS:
+    codes = [
+        torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
+        for _ in range(4)
+    ]
+    qc = [
+        torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
+        for _ in range(4)
+    ]
+    for prefetch in (False, True):
+        tk.PREFETCH["on"] = prefetch
+        for score_mode in ("packed", "atomic"):
+            tk.HIST_MODE["mode"] = score_mode
+            states = [ham.hamming_score_hist(qc[i], codes[i], bits=128, recent_first=True) for i in range(4)]
+            t_score = graph_us(lambda i: ham.hamming_score_hist(qc[i], codes[i], bits=128, recent_first=True), 4)
+            t_sel = graph_us(lambda i, states=states: ham.hamming_select(states[i], K), 4)
+            print(
+                f"prefetch {prefetch!s:5s} scorer hist {score_mode:6s}: score {t_score:.1f} us, "
+                f"select {t_sel:.1f} us, sum {t_score + t_sel:.1f} us",
+                flush=True,
+            )
+    tk.HIST_MODE["mode"] = "packed"
+    tk.PREFETCH["on"] = True
+
+
+def self_index_probe():
+    """The self-index decode step's kernels at 128K x B8 (Llama-3-8B shapes, default layout: 3-bit |K| with
+    per-channel scales per 32 tokens, 2-bit V in groups of 64, 32 sinks, a 64-token residual block), one variant per
+    line, each checked against the default's output."""
+    from sparsekv.kernels import _compressed_kv_triton as ckv
+    from sparsekv.kernels import _lut_triton as lt
+    from sparsekv.kernels.compressed_kv import CompressedKV
+
+    def rand_bytes(*shape):
+        return torch.randint(0, 256, shape, device=dev, dtype=torch.uint8, generator=gen)
+
+    def half(*shape):
+        return torch.rand(*shape, device=dev, generator=gen).to(torch.float16)
+
+    S, T = 32, 64
+    kvs = [
+        CompressedKV(
+            sign_bits=torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen),
+            k_mag=rand_bytes(B, HKV, N, 48), k_scale=half(B, HKV, N // 32, D), k_zero=None,
+            v=rand_bytes(B, HKV, N, 32), v_scale=half(B, HKV, N, 2), v_zero=half(B, HKV, N, 2),
+            mu=torch.randn(B, HKV, 1, D, device=dev) * 0.1, alpha=torch.rand(B, HKV, 1, D, device=dev),
+            k_bits=3, v_bits=2, k_scale_tokens=32,
+            sink_positions=torch.sort(torch.randperm(N - T, device=dev)[:S].int()).values.expand(B, HKV, S).contiguous(),
+            sink_keys=torch.randn(B, HKV, S, D, device=dev, dtype=torch.bfloat16),
+            sink_values=torch.randn(B, HKV, S, D, device=dev, dtype=torch.bfloat16),
+            tail_keys=torch.randn(B, HKV, T, D, device=dev, dtype=torch.bfloat16),
+            tail_values=torch.randn(B, HKV, T, D, device=dev, dtype=torch.bfloat16), tail_first=N - T,
         )
-tk.HIST_MODE["mode"] = "packed"
-tk.PREFETCH["on"] = True
+        for _ in range(2)
+    ]  # fmt: skip
+    tail_from = torch.full((1,), N - T, device=dev, dtype=torch.int64)
+    cent = torch.randn(B, HKV, D // 4, 16, 4, device=dev)
+    qf = q.float()
+    qsum = qf.view(B, HKV, HQ // HKV, 1, D).sum(2)
+
+    def report(name, fn, ref=None):
+        try:
+            t = graph_us(fn, 2)
+            out = fn(0)
+            err = "" if ref is None else f", max |diff| vs default {(out.float() - ref.float()).abs().max().item():.2e}"
+            print(f"{name}: {t:.1f} us{err}", flush=True)
+            return out
+        except Exception as error:  # noqa: BLE001
+            print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+
+    old = dict(lt.LUT_TUNE)
+    lt.LUT_TUNE.update(mode="nibble")
+    ref = report("lut nibble (first version)", lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits))
+    for mode, tile, tiles, warps, table in (
+        ("pairs", 256, 8, 4, torch.float32), ("pairs", 128, 8, 4, torch.float32), ("pairs", 512, 4, 4, torch.float32),
+        ("pairs", 256, 8, 8, torch.float32), ("pairs", 256, 32, 4, torch.float32), ("pairs", 64, 16, 2, torch.float32),
+        ("pairs", 256, 8, 4, torch.float16), ("pairs_gather", 256, 8, 4, torch.float32),
+    ):  # fmt: skip
+        lt.LUT_TUNE.update(mode=mode, tile=tile, tiles=tiles, num_warps=warps, table=table)
+        report(f"lut {mode} tile {tile} x {tiles} warps {warps} {table}",
+               lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits), ref)  # fmt: skip
+    lt.LUT_TUNE.clear()
+    lt.LUT_TUNE.update(old)
+
+    k = int(0.02 * N)
+    scores = [torch.randn(B, HKV, 1, N, device=dev) for _ in range(2)]
+    report(f"torch.topk {3 * k} of {N} fp32, 64 rows", lambda i: scores[i].topk(3 * k, dim=-1, sorted=False)[1])
+    cand = [scores[i].topk(3 * k, dim=-1, sorted=False)[1] for i in range(2)]
+    report(f"torch.topk {k} of {3 * k} fp32, 64 rows",
+           lambda i: scores[i][..., : 3 * k].topk(k, dim=-1, sorted=False)[1])  # fmt: skip
+
+    old = dict(ckv.KEYS_TUNE)
+    ref = report("re-rank q.K default " + str(old),
+                 lambda i: ckv.compressed_key_scores_triton(qsum, kvs[i], cand[i], tail_from))  # fmt: skip
+    for block, warps in ((64, 4), (32, 2), (16, 2), (32, 8)):
+        ckv.KEYS_TUNE.update(block=block, num_warps=warps)
+        report(f"re-rank q.K block {block} warps {warps}",
+               lambda i: ckv.compressed_key_scores_triton(qsum, kvs[i], cand[i], tail_from), ref)  # fmt: skip
+    ckv.KEYS_TUNE.update(old)
+
+    sel = [c[..., :k].contiguous() for c in cand]
+    valid = torch.ones(B, HKV, 1, k, device=dev, dtype=torch.bool)
+    old = dict(ckv.ATTN_TUNE)
+    ref = report("attention default " + str(old),
+                 lambda i: ckv.compressed_attention_triton(q, kvs[i], sel[i], valid, D**-0.5, tail_from))  # fmt: skip
+    for block, warps, mult, prec in (
+        (32, 4, 4, "tf32x3"), (16, 2, 16, "tf32"), (16, 2, 8, "tf32"), (32, 2, 8, "tf32"), (32, 4, 8, "tf32"),
+        (64, 4, 4, "tf32"), (16, 2, 16, "tf32x3"),
+    ):  # fmt: skip
+        ckv.ATTN_TUNE.update(block=block, num_warps=warps, sm_mult=mult, precision=prec)
+        report(f"attention block {block} warps {warps} sm_mult {mult} {prec}",
+               lambda i: ckv.compressed_attention_triton(q, kvs[i], sel[i], valid, D**-0.5, tail_from), ref)  # fmt: skip
+    ckv.ATTN_TUNE.update(old)
+    plain = [CompressedKV(**{**kv.__dict__, "sink_positions": None, "sink_keys": None, "sink_values": None,
+                             "tail_keys": None, "tail_values": None}) for kv in kvs]  # fmt: skip
+    report("attention default, no sinks / tail copies",
+           lambda i: ckv.compressed_attention_triton(q, plain[i], sel[i], valid, D**-0.5, tail_from))  # fmt: skip
+    from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
+
+    kd = [torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    report("bf16 sparse_attention over the same rows (reference point)",
+           lambda i: sparse_attention_triton(q, kd[i], kd[i], sel[i], valid, D**-0.5))  # fmt: skip
+
+
+if "selfindex" in SECTIONS:
+    self_index_probe()

@@ -271,19 +271,26 @@ def test_top_p_triton(impl, k):
 
 
 @here
-def test_lut_triton(impl):
+@pytest.mark.parametrize("mode", ["pairs_gather", "pairs", "nibble"])
+def test_lut_triton(impl, mode):
     from sparsekv.kernels.bits import pack_sign_bits
     from sparsekv.kernels.lut_score import lut_scores_reference
 
+    lut = _mod("_lut_triton")
+    old = dict(lut.LUT_TUNE)
     gen = torch.Generator().manual_seed(24)
-    d = 64
-    keys = torch.randn(1, 2, 301, d, generator=gen)
-    cent = torch.randn(1, 2, d // 4, 16, 4, generator=gen)
-    codes = pack_sign_bits(keys)
-    query = torch.randn(1, 4, 2, d, generator=gen)
-    ref = lut_scores_reference(query, cent, codes)
-    out = _mod("_lut_triton").lut_scores_triton(*(t.to(DEV) for t in (query, cent, codes))).cpu()
-    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+    try:
+        lut.LUT_TUNE.update(mode=mode, tile=64, tiles=3)  # 301 keys: one full program, one ragged
+        for d, n in ((64, 301), (48, 77), (128, 193)):
+            keys = torch.randn(1, 2, n, d, generator=gen)
+            cent = torch.randn(1, 2, d // 4, 16, 4, generator=gen)
+            codes = pack_sign_bits(keys)
+            query = torch.randn(1, 4, 2, d, generator=gen)
+            ref = lut_scores_reference(query, cent, codes)
+            out = lut.lut_scores_triton(*(t.to(DEV) for t in (query, cent, codes))).cpu()
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+    finally:
+        lut.LUT_TUNE.update(old)
 
 
 @here

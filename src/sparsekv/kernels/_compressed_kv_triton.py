@@ -13,12 +13,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._sparse_attention_triton import TUNE, _combine_kernel
+from sparsekv.kernels._sparse_attention_triton import _combine_kernel
 from sparsekv.kernels._triton import interpreting, next_pow2
 
-# attention launch: 3xTF32 dots keep float32 accuracy on tensor cores (plain IEEE float32 dots run on the FMA
-# units and were the slowest part of the first version)
-ATTN_TUNE = {"block": 32, "num_warps": 4, "precision": "tf32x3"}
+# attention launch. precision "auto": 3xTF32 dots for float32 queries (float32 accuracy on tensor cores; plain IEEE
+# float32 dots run on the FMA units: 1481 us vs 195 us at 128K x B8 on the H200), one TF32 pass for 16-bit queries,
+# whose output rounding is coarser than TF32's (139 us; scripts/gpu_probe.py selfindex)
+ATTN_TUNE = {"block": 32, "num_warps": 4, "precision": "auto", "sm_mult": 4}
+# re-rank of 3 x 2% of 128K x B8: 165 us with 32 tokens per program vs 202 us with 64 (4 warps)
+KEYS_TUNE = {"block": 32, "num_warps": 4}
 
 
 @triton.jit
@@ -141,21 +144,34 @@ def _values(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs,
 
 
 @triton.jit
-def _override(rows, idx, m2, c, sink_pos, slots, sink_base, s_sk, tail_base, s_tk, tail_from, tail_first, tail_len,
-              HAS_SINKS: tl.constexpr, HAS_TAIL: tl.constexpr):  # fmt: skip
-    """rows [BLOCK, DP] with the sink tokens and the query's newest tokens (idx >= tail_from) read from their
-    16-bit copies (sink_base / tail_base: this (batch, head)'s [S, d] / [T, d] copies)."""
+def _copy_rows(idx, sink_pos, slots, tail_from, tail_first, tail_len, HAS_SINKS: tl.constexpr,
+               HAS_TAIL: tl.constexpr):  # fmt: skip
+    """Where each listed token idx [BLOCK] is read from a 16-bit copy: (sink slot, tail row), -1 where not."""
+    sink = tl.full(idx.shape, -1, tl.int64)
+    tail = tl.full(idx.shape, -1, tl.int64)
     if HAS_SINKS:
-        slot = tl.max(tl.where(idx[:, None] == sink_pos[None, :].to(tl.int64), slots[None, :], -1), axis=1)
-        is_sink = slot >= 0
-        off = tl.maximum(slot, 0).to(tl.int64)[:, None] * s_sk + c[None, :]
-        copy = tl.load(sink_base + off, mask=m2 & is_sink[:, None], other=0.0).to(tl.float32)
-        rows = tl.where(is_sink[:, None], copy, rows)
+        hit = idx[:, None] == sink_pos[None, :].to(tl.int64)
+        sink = tl.max(tl.where(hit, slots[None, :].to(tl.int64), -1), axis=1)
     if HAS_TAIL:
-        in_tail = (idx >= tail_from) & (idx - tail_first < tail_len)
-        local = tl.minimum(tl.maximum(idx - tail_first, 0), tail_len - 1)
-        copy = tl.load(tail_base + local[:, None] * s_tk + c[None, :], mask=m2 & in_tail[:, None], other=0.0)
-        rows = tl.where(in_tail[:, None], copy.to(tl.float32), rows)
+        inside = (idx >= tail_from) & (idx >= tail_first) & (idx - tail_first < tail_len)
+        tail = tl.where(inside, idx - tail_first, -1)
+    return sink, tail
+
+
+@triton.jit
+def _override(rows, m2, c, sink, tail, sink_base, s_sk, tail_base, s_tk, HAS_SINKS: tl.constexpr,
+              HAS_TAIL: tl.constexpr):  # fmt: skip
+    """rows [BLOCK, DP] with the sink tokens and the query's newest tokens read from their 16-bit copies (sink_base /
+    tail_base: this (batch, head)'s [S, d] / [T, d] copies; sink / tail from `_copy_rows`)."""
+    # no run-time branch on "any copied token in this tile": measured slower (172 vs 139 us at 128K x B8)
+    if HAS_SINKS:
+        copy = tl.load(sink_base + tl.maximum(sink, 0)[:, None] * s_sk + c[None, :], mask=m2 & (sink >= 0)[:, None],
+                       other=0.0)  # fmt: skip
+        rows = tl.where((sink >= 0)[:, None], copy.to(tl.float32), rows)
+    if HAS_TAIL:
+        copy = tl.load(tail_base + tl.maximum(tail, 0)[:, None] * s_tk + c[None, :], mask=m2 & (tail >= 0)[:, None],
+                       other=0.0)  # fmt: skip
+        rows = tl.where((tail >= 0)[:, None], copy.to(tl.float32), rows)
     return rows
 
 
@@ -195,9 +211,10 @@ def _key_scores_kernel(
         sink_pos = tl.load(sinkpos_ptr + b64 * s_sp_b + h64 * s_sp_h + slots, mask=slots < num_sinks, other=-1)
         mu = tl.load(mu_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
         m2 = ok[:, None] & cmask[None, :]
-        keys = _override(keys + mu[None, :], idx, m2, c, sink_pos, slots, sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h,
-                         s_sk, tailk_ptr + b64 * s_tk_b + h64 * s_tk_h, s_tk, tl.load(tail_from_ptr + qi),
-                         tail_first, tail_len, HAS_SINKS, HAS_TAIL) - mu[None, :]  # fmt: skip
+        sink, tail = _copy_rows(idx, sink_pos, slots, tl.load(tail_from_ptr + qi), tail_first, tail_len, HAS_SINKS,
+                                HAS_TAIL)  # fmt: skip
+        keys = _override(keys + mu[None, :], m2, c, sink, tail, sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h, s_sk,
+                         tailk_ptr + b64 * s_tk_b + h64 * s_tk_h, s_tk, HAS_SINKS, HAS_TAIL) - mu[None, :]  # fmt: skip
     score = tl.sum(keys * query[None, :], axis=1)
     tl.store(out_ptr + b64 * sob + h64 * soh + qi * soq + offs, score, mask=ok)
 
@@ -246,7 +263,7 @@ def compressed_key_scores_triton(query, kv, index, tail_from):
     out = torch.empty(b, h, q, cnum, dtype=torch.float32, device=index.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    block = 64
+    block = KEYS_TUNE["block"]
     zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
     cp = _copies(kv, query, tail_from)
     _key_scores_kernel[(triton.cdiv(cnum, block), b * h * q)](
@@ -256,7 +273,7 @@ def compressed_key_scores_triton(query, kv, index, tail_from):
         *query.stride()[:3], *index.stride()[:3], *out.stride()[:3],
         *kv.sign_bits.stride()[:3], *kv.k_mag.stride()[:3], *kv.k_scale.stride()[:3], *kv.alpha.stride()[:2],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
-        BLOCK=block, num_warps=4, **cp["meta"], **_key_layout(kv),
+        BLOCK=block, num_warps=KEYS_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
     return out
 
@@ -320,10 +337,9 @@ def _attention_kernel(
         m2 = ok[:, None] & cmask[None, :]
         sink_k, tail_k = sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h, tailk_ptr + b64 * s_tk_b + h64 * s_tk_h
         sink_v, tail_v = sinkv_ptr + b64 * s_sk_b + h64 * s_sk_h, tailv_ptr + b64 * s_tk_b + h64 * s_tk_h
-        keys = _override(keys, idx, m2, c, sink_pos, slots, sink_k, s_sk, tail_k, s_tk, tail_from, tail_first,
-                         tail_len, HAS_SINKS, HAS_TAIL)  # fmt: skip
-        values = _override(values, idx, m2, c, sink_pos, slots, sink_v, s_sk, tail_v, s_tk, tail_from, tail_first,
-                           tail_len, HAS_SINKS, HAS_TAIL)  # fmt: skip
+        sink, tail = _copy_rows(idx, sink_pos, slots, tail_from, tail_first, tail_len, HAS_SINKS, HAS_TAIL)
+        keys = _override(keys, m2, c, sink, tail, sink_k, s_sk, tail_k, s_tk, HAS_SINKS, HAS_TAIL)
+        values = _override(values, m2, c, sink, tail, sink_v, s_sk, tail_v, s_tk, HAS_SINKS, HAS_TAIL)
         sc = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale  # [GP, BLOCK], log2 domain
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, axis=1))
@@ -341,6 +357,14 @@ def _attention_kernel(
     tl.store(o_ptr + (row * num_splits + sp)[:, None] * D + c[None, :], out, mask=hmask[:, None] & cmask[None, :])
 
 
+def _precision(dtype: torch.dtype) -> str:
+    if interpreting():
+        return "ieee"
+    if ATTN_TUNE["precision"] != "auto":
+        return ATTN_TUNE["precision"]
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
 def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
     _check_rows(kv)
     b, hq, q, d = query.shape
@@ -352,7 +376,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
     block = ATTN_TUNE["block"]
     rows = b * h * q
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-    splits = max(1, min(triton.cdiv(TUNE["sm_mult"] * sms, rows), triton.cdiv(kk, block)))
+    splits = max(1, min(triton.cdiv(ATTN_TUNE["sm_mult"] * sms, rows), triton.cdiv(kk, block)))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
     splits = max(1, triton.cdiv(kk, split_len))
     o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
@@ -370,7 +394,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
         *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
         G=hq // h, GP=max(16, next_pow2(hq // h)), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
-        BLOCK=block, PRECISION="ieee" if interpreting() else ATTN_TUNE["precision"],
+        BLOCK=block, PRECISION=_precision(query.dtype),
         num_warps=ATTN_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)

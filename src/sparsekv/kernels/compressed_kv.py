@@ -101,7 +101,6 @@ def _with_copies(rows, kv: CompressedKV, index, tail_from, copy_name: str, tail_
     """rows [B, H, Q, K, d] with the sink tokens and each query's tail tokens read from the 16-bit copies."""
     copies, tail = getattr(kv, copy_name), getattr(kv, tail_name)
     if copies is not None:
-        b, h, q, k = index.shape
         pos = kv.sink_positions.long()
         hit = index[..., None] == pos[:, :, None, None, :]  # [B, H, Q, K, S]
         slot = torch.where(hit, torch.arange(pos.shape[-1], device=index.device), -1).amax(-1)
