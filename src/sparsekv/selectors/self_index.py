@@ -68,7 +68,7 @@ from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors import _self_index_device
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
+from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, _force, to_selection_heads
 
 if TYPE_CHECKING:  # CLI option types (resolved at runtime by `register`)
     from sparsekv.cli import DenseLayersOpt, DeviceOpt, DtypeOpt, ModelOpt, OptionOpt, OutputOpt
@@ -752,17 +752,20 @@ class SelfIndexSelector(TokenSelector):
         boost = (_SINK_BASE + (positions.shape[-1] - rank)).to(scores.dtype)
         index = positions.clamp(max=scores.shape[-1] - 1)[:, :, None].expand(-1, -1, scores.shape[2], -1)
         current = scores.gather(-1, index)
-        return scores.scatter(-1, index, torch.where(used, boost[:, :, None].expand_as(current), current))
+        # in place: the scores are this step's own tensor (a copy of [B, H, Q, N] costs more than the LUT)
+        return scores.scatter_(-1, index, torch.where(used, boost[:, :, None].expand_as(current), current))
 
     def select(self, step: DecodeStep) -> Selection:
         """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
         does not depend on the other rows or on the row length (chunked == token-by-token)."""
         scores = to_selection_heads(self.score(step), step).float()
-        visible = step.visible[:, None]
-        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
         k_max = step.max_budget()
         if step.uniform and scores.device.type != "cpu":
-            return self._select_uniform_device(step, scores, k_max)
+            # every key visible, forced keys are two index ranges: set in place, no [B, H, Q, N] masks
+            forced = _force(scores, step.hints.sink, step.hints.local, float("inf"))
+            return self._select_uniform_device(step, forced, k_max)
+        visible = step.visible[:, None]
+        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
         if self.rescore > 0:
             scores = self._rescored(step, scores, k_max)
         ranked = scores.sort(dim=-1, descending=True, stable=True)
