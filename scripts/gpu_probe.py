@@ -1,7 +1,8 @@
 """Device probe (issues 9/10): query-hash precision variants, prompt-key hashing tile sizes, the histogram
-modes of the radix select, and the self-index decode kernels' variants (LUT modes, re-rank / attention tiles).
+modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
+split-K sparse attention's launch parameters.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex]     # on a CUDA machine; prints one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend]     # on a CUDA machine; prints one line per variant
 """
 
 import sys
@@ -200,3 +201,34 @@ def self_index_probe():
 
 if "selfindex" in SECTIONS:
     self_index_probe()
+
+
+def attend_probe():
+    """`sparse_attention_triton` launch parameters over 2% of the context (bf16 K/V, GQA group per row)."""
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    for batch, n in ((8, 131072), (1, 32768)):
+        k = int(0.02 * n)
+        qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        kv = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        idx = [torch.randint(0, n, (batch, HKV, 1, k), device=dev, generator=gen) for _ in range(2)]
+        valid = torch.ones(batch, HKV, 1, k, device=dev, dtype=torch.bool)
+        old = dict(sa.TUNE)
+        for block, mult, warps, stages in (
+            (64, 4, 4, 3), (32, 4, 4, 3), (64, 8, 4, 3), (64, 2, 4, 3), (128, 4, 8, 3), (64, 4, 4, 2), (64, 4, 4, 4),
+            (32, 8, 2, 3), (64, 4, 8, 3), (16, 8, 2, 3),
+        ):  # fmt: skip
+            sa.TUNE.update(block=block, sm_mult=mult, num_warps=warps, num_stages=stages)
+            try:
+                t = graph_us(lambda i, qs=qs, kv=kv, idx=idx, valid=valid:
+                             sa.sparse_attention_triton(qs, kv[i], kv[i], idx[i], valid, D**-0.5), 2)  # fmt: skip
+                print(f"attend {n // 1024}K x B{batch} block {block} sm_mult {mult} warps {warps} stages {stages}: "
+                      f"{t:.1f} us", flush=True)  # fmt: skip
+            except Exception as error:  # noqa: BLE001
+                print(f"attend block {block}: {type(error).__name__}: {str(error)[:200]}", flush=True)
+        sa.TUNE.clear()
+        sa.TUNE.update(old)
+
+
+if "attend" in SECTIONS:
+    attend_probe()
