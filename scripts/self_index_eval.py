@@ -36,7 +36,8 @@ def memory_section(model, tokenizer, quick: bool) -> dict:
     from sparsekv.selectors.self_index import measure_cache_memory
 
     out = {}
-    runs = [(4096, "0,1", {})]  # the compressed layers' ratio does not depend on which layers stay dense
+    # the compressed layers' ratio does not depend on which layers stay dense
+    runs = [(4096, "0,1", dict(EXTRA_OPTIONS))]
     for context, dense, options in runs:
         layers = tuple(int(x) for x in dense.split(",") if x)
         config = SparseConfig(method="self-index", budget=0.1, dense_layers=layers, options=options)
@@ -63,11 +64,14 @@ PAPER = {
     "v_group": 32,
     "k_zero": True,
     "v_clip": False,
+    "v_rotate": False,
 }
 SI_PAPER = SparseConfig(method="self-index", budget=0.1, options=PAPER)
 DENSE = SparseConfig(method="dense")
 
 
+DENSE_RUNS = True  # --no-dense: only the self-index runs
+EXTRA_OPTIONS: dict = {}  # --options: applied to SI2 and the memory section
 PPL_START = 0  # token offset of the ppl window in the haystack (--ppl-start; the reported window is 0)
 
 
@@ -83,7 +87,7 @@ def ppl_section(model, tokenizer, quick: bool, configs: dict | None = None) -> d
         windows=1,
         start=PPL_START,
     )
-    configs = configs or {"dense": DENSE, "self-index-2bit": SI2}
+    configs = configs or ({"dense": DENSE} if DENSE_RUNS else {}) | {"self-index-2bit": SI2}
     out = {}
     for name, config in configs.items():
         start = time.perf_counter()
@@ -242,7 +246,7 @@ def niah_section(model, tokenizer, quick: bool, configs: dict | None = None) -> 
     settings = NiahSettings(
         lengths=(1000,) if quick else (1000, 2000, 3000), depths=(0.5,), max_new_tokens=24
     )
-    configs = configs or {"dense": DENSE, "self-index-2bit": SI2}
+    configs = configs or ({"dense": DENSE} if DENSE_RUNS else {}) | {"self-index-2bit": SI2}
     out = {}
     for name, config in configs.items():
         start = time.perf_counter()
@@ -261,6 +265,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sections", default="memory,ppl,niah,iou,ppl16,niah16")
     parser.add_argument(
+        "--options",
+        default="",
+        help="JSON object of self-index options applied on top of the defaults in the memory, ppl and niah "
+        "sections (e.g. '{\"v_rotate\": false}')",
+    )
+    parser.add_argument(
+        "--no-dense", action="store_true", help="skip the dense runs of the ppl / niah sections"
+    )
+    parser.add_argument(
         "--ppl-start",
         type=int,
         default=0,
@@ -268,8 +281,11 @@ def main() -> None:
         "chosen on 65536)",
     )
     args = parser.parse_args()
-    global PPL_START
+    global PPL_START, SI2, DENSE_RUNS, EXTRA_OPTIONS
     PPL_START = args.ppl_start
+    EXTRA_OPTIONS = json.loads(args.options) if args.options else {}
+    SI2 = SparseConfig(method="self-index", budget=0.1, options=EXTRA_OPTIONS)
+    DENSE_RUNS = not args.no_dense
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
     from sparsekv.models import load_model
 
@@ -277,6 +293,7 @@ def main() -> None:
     results = json.loads(args.output.read_text()) if args.output.exists() else {}
     results["quick"] = args.quick
     results["ppl_start"] = args.ppl_start
+    results["options"] = EXTRA_OPTIONS
     sections = {
         "memory": memory_section,
         "iou": iou_section,

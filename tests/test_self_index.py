@@ -25,8 +25,10 @@ from sparsekv.selectors.self_index import (
     one_pass_centroids,
     pack_bits,
     quantize,
+    rotation_base,
     sign_codes,
     unpack_bits,
+    value_rotation,
 )
 from tests.helpers import run_chunks
 
@@ -293,7 +295,7 @@ def test_compressed_keys_round_trip_error_and_signs():
     )  # channels of different scale
     values = torch.randn(1, 3, 200, 64, generator=gen)
     query = torch.randn(1, 9, 200, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=0, k_axis="token", v_clip=False), keys, values, query)
+    sel = prefilled(selector(sink_tokens=0, k_axis="token", v_clip=False, v_rotate=False), keys, values, query)
     idx = torch.arange(200).view(1, 1, 1, 200).expand(1, 3, 1, 200)
     k_hat, v_hat = sel.gather_dequantized(idx, torch.tensor([199]))
     k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
@@ -335,6 +337,96 @@ def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
     lut_only = chosen(sink_tokens=4, rescore=0)[1]
     assert torch.equal(chosen(sink_tokens=4, rescore=1)[1], lut_only)
     assert not torch.equal(lut_only, mask)  # the LUT alone is approximate
+
+
+# --------------------------------------------------------------------------------------------- value rotation
+
+
+@pytest.mark.parametrize("d", [64, 128, 32, 48])  # 48: not a power of two -> seeded QR rotation
+def test_value_rotation_is_orthogonal_and_fixed(d):
+    r = value_rotation(d, layer_idx=5)
+    torch.testing.assert_close(r @ r.T, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(r.T @ r, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.equal(r, value_rotation(d, layer_idx=5))  # regenerated from the seed: the same every time
+    assert not torch.equal(r, value_rotation(d, layer_idx=6))  # another layer, other signs
+    if d & (d - 1) == 0:  # randomized Hadamard: every entry is +-1/sqrt(d)
+        torch.testing.assert_close(r.abs(), torch.full((d, d), d**-0.5, dtype=torch.float64), rtol=0, atol=1e-15)
+        assert torch.equal(rotation_base(d), rotation_base(d).T)
+
+
+def _decode_step(sel, query, n, budget):
+    from sparsekv.selectors.base import DecodeStep
+
+    b = query.shape[0]
+    visible = torch.ones(b, 1, n, dtype=torch.bool)
+    return DecodeStep(query=query, keys=query[..., :0], values=query[..., :0], visible=visible,
+                      forced=torch.zeros_like(visible), budgets=torch.full((b, 1), budget), layer=sel.layer,
+                      gqa="group")  # fmt: skip
+
+
+def test_v_rotate_is_transparent_at_16_bits():
+    """kv_bits=16 stores V R (not V) with v_rotate, and attention un-rotates its output: the result equals
+    attention over the exact V of the selected tokens."""
+    gen = torch.Generator().manual_seed(41)
+    n = 150
+    keys, values = torch.randn(2, 3, n, 64, generator=gen, dtype=torch.float64), torch.randn(
+        2, 3, n, 64, generator=gen, dtype=torch.float64
+    )
+    values[..., 7] *= 20  # an outlier channel
+    query = torch.randn(2, 9, n, 64, generator=gen, dtype=torch.float64)
+    rot = prefilled(selector(kv_bits=16, v_rotate=True), keys, values, query)
+    plain = prefilled(selector(kv_bits=16, v_rotate=False), keys, values, query)
+    r = value_rotation(64, rot.layer.layer_idx)
+    torch.testing.assert_close(rot._store.view("v_full"), values @ r, rtol=0, atol=1e-12)  # stored rotated
+    step = _decode_step(rot, query[:, :, -1:], n, 30)
+    picked = rot.select(step)
+    assert torch.equal(picked.to_mask(n), plain.select(step).to_mask(n))  # K only: same selection
+    out = rot.attend(step, picked, 0.125)
+    # reference: softmax over the selected tokens' exact K, times their exact V
+    idx = picked.indices  # [B, Hkv, 1, K]
+    k_sel = keys.gather(2, idx[:, :, 0, :, None].expand(-1, -1, -1, 64))
+    v_sel = values.gather(2, idx[:, :, 0, :, None].expand(-1, -1, -1, 64))
+    qh = query[:, :, -1:].view(2, 3, 3, 1, 64)
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", qh, k_sel) * 0.125
+    logits = logits.masked_fill(~picked.valid[:, :, None, 0, None, :], float("-inf"))
+    expected = torch.einsum("bhgqk,bhkd->bhgqd", torch.softmax(logits, -1), v_sel).reshape(2, 9, 1, 64)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out, plain.attend(step, picked, 0.125), rtol=0, atol=1e-10)
+
+
+def test_v_rotate_is_transparent_on_the_16_bit_copies_of_a_compressed_cache():
+    """A 2-bit cache whose every token is read from its 16-bit copies (all prompt tokens are sinks, the decode
+    tokens are in the residual block), at float64: the sinks and the residual block live in the rotated domain,
+    so v_rotate changes nothing (torch path: gather, attend over V R, un-rotate)."""
+    gen = torch.Generator().manual_seed(42)
+    n, extra = 40, 20
+    keys = torch.randn(1, 3, n + extra, 64, generator=gen, dtype=torch.float64)
+    values = torch.randn(1, 3, n + extra, 64, generator=gen, dtype=torch.float64)
+    query = torch.randn(1, 9, n + extra, 64, generator=gen, dtype=torch.float64)
+    outs = []
+    for rotate in (True, False):
+        sel = prefilled(selector(sink_tokens=n, sink_share=1.0, fp_dtype="input", v_rotate=rotate),
+                        keys[:, :, :n], values[:, :, :n], query[:, :, :n])  # fmt: skip
+        sel.store(keys[:, :, n:], values[:, :, n:])
+        step = _decode_step(sel, query[:, :, -1:], n + extra, 25)
+        outs.append(sel.attend(step, sel.select(step), 0.125))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+
+
+def test_v_rotate_spreads_an_outlier_channel_over_the_2_bit_groups():
+    """With one outlier channel, the 2-bit V read back through R^T is much closer to V than without rotation."""
+    gen = torch.Generator().manual_seed(43)
+    n = 256
+    keys, values = torch.randn(1, 3, n, 64, generator=gen), torch.randn(1, 3, n, 64, generator=gen)
+    values[..., 11] *= 15
+    query = torch.randn(1, 9, n, 64, generator=gen)
+    idx = torch.arange(n).view(1, 1, 1, n).expand(1, 3, 1, n)
+    errors = {}
+    for rotate in (True, False):
+        sel = prefilled(selector(sink_tokens=0, v_rotate=rotate), keys, values, query)
+        v_hat = sel.unrotate_values(sel.gather_dequantized(idx, torch.tensor([n - 1]))[1])[:, :, 0]
+        errors[rotate] = ((v_hat - values).norm() / values.norm()).item()
+    assert errors[True] < 0.6 * errors[False], errors
 
 
 # --------------------------------------------------------------------------------------------- sinks, padding
@@ -471,6 +563,9 @@ def test_config_validation():
         SparseConfig(method="self-index", options={"k_axis": "channel", "residual": 0})
     with pytest.raises(ConfigError, match="k_zero"):
         SparseConfig(method="self-index", options={"k_zero": True, "k_midrise": True})
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="self-index v_rotate must be true or false"):
+            SparseConfig(method="self-index", options={"v_rotate": bad})
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -494,6 +589,7 @@ def test_memory_breakdown_is_under_a_quarter_of_bf16_at_4k():
     assert per_token_head["v_quant"] == pytest.approx(16, rel=0.05)  # 64 x 2 bits
     assert per_token_head["v_scale_zero"] == pytest.approx(4, rel=0.05)  # 1 group x (scale + zero) x fp16
     assert parts["kv_full"] == 0
+    assert parts["v_rotation"] == (64 * 4 if sel.v_rotate else 0)  # the layer's fp32 signs
     ratio = sum(parts.values()) / (sel.num_tokens * 3 * 2 * 64 * 2)
     assert ratio <= 0.25, ratio
 

@@ -76,7 +76,8 @@ def candidate_scores(sel: SelfIndexSelector, step: DecodeStep, index: torch.Tens
 
 
 def attend(sel: SelfIndexSelector, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor | None:
-    """`SelfIndexSelector.attend` on the kernels, or None where they do not apply."""
+    """`SelfIndexSelector.attend` on the kernels, or None where they do not apply. With v_rotate the kernels attend
+    over the stored V R and return out R; `SelfIndexSelector.attend` un-rotates it."""
     if not applies(sel, step) or selection.indices.shape[1] != sel.layer.num_kv_heads:
         return None
     q_len = step.query.shape[2]

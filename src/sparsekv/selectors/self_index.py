@@ -23,6 +23,10 @@ Per layer and kv-head, at the prefill:
   (32) tokens, so an outlier channel no longer coarsens the other channels of its token (`k_axis="token"`: one
   scale per 32 channels of one token, the layout before). The values V are quantized token-wise to `kv_bits` (2) bits with a
   float16 scale and zero per 64 elements (the paper: 32). Same bytes per token as the paper's layout.
+  By default (`v_rotate`) V is stored rotated, V R with a fixed orthogonal R per layer (random +-1 signs x the
+  normalised Hadamard matrix), so that one outlier channel no longer sets the 2-bit range of its whole group; the
+  16-bit copies (sinks, residual block) are rotated too, and `attend` un-rotates the attention output (exact:
+  softmax . (V R) = (softmax . V) R). Offline, this halves the attention-output error of 2-bit V (0.218 -> 0.116).
   `dequantize_keys` / `dequantize` are the formulas of the gathered K / V rows. Nothing else of a compressed
   token is kept; attention gathers the selected tokens and dequantizes only those.
 * `sink_tokens` (32; the paper: 64) tokens per kv-head are chosen SnapKV-style at the prefill (attention of the
@@ -172,6 +176,54 @@ def lut_scores(
         picked = table[:, :, lo:hi].gather(-1, flat[:, :, None].expand(-1, -1, hi - lo, -1))
         out[:, :, lo:hi] = picked.view(b, s, hi - lo, n, groups).sum(-1)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# value rotation (v_rotate)
+# ----------------------------------------------------------------------------------------------------------------
+
+V_ROTATE_SEED = 0x5E1F  # layer l's random signs come from torch.Generator().manual_seed(V_ROTATE_SEED + l)
+
+_ROTATION_BASE: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def rotation_base(
+    d: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[d, d] orthogonal matrix shared by every layer: the Sylvester Hadamard matrix / sqrt(d) when d is a power of
+    two, else the Q factor (columns sign-fixed by R's diagonal) of the QR of a Gaussian seeded with V_ROTATE_SEED.
+    Built in float64, cached per (d, dtype, device): a constant of the code (like _BITREV4), not per-cache state."""
+    device = torch.device(device)
+    key = (d, dtype, device)
+    if key not in _ROTATION_BASE:
+        if d & (d - 1) == 0:
+            h = torch.ones(1, 1, dtype=torch.float64)
+            while h.shape[0] < d:
+                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+            base = h / math.sqrt(d)
+        else:
+            gen = torch.Generator().manual_seed(V_ROTATE_SEED)
+            q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+            base = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)
+        _ROTATION_BASE[key] = base.to(dtype=dtype, device=device)
+    return _ROTATION_BASE[key]
+
+
+def rotation_signs(
+    d: int, layer_idx: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """[d] fixed +-1 of layer `layer_idx` (seed V_ROTATE_SEED + layer_idx)."""
+    gen = torch.Generator().manual_seed(V_ROTATE_SEED + layer_idx)
+    signs = torch.randint(0, 2, (d,), generator=gen).to(torch.float64) * 2 - 1
+    return signs.to(dtype=dtype, device=device)
+
+
+def value_rotation(
+    d: int, layer_idx: int, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """R = diag(signs) x base [d, d] (orthogonal): the cache stores V' = V R; attention over V' gives out' = out R,
+    and out = out' R^T."""
+    return rotation_signs(d, layer_idx, dtype, device)[:, None] * rotation_base(d, dtype, device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -473,9 +525,16 @@ class SelfIndexSelector(TokenSelector):
         the outliers that carry the attention).
     v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (same format; measured worse
         by perplexity although it halves the offline attention-output error).
+    v_rotate: store V' = V R with a fixed orthogonal R per layer (`value_rotation`: +-1 signs seeded by the layer
+        index times the normalised Hadamard matrix; a seeded QR rotation when head_dim is not a power of two), so
+        that an outlier channel no longer sets the 2-bit range of its whole group. Every stored V row is in the
+        rotated domain (quantized rows, 16-bit sinks and residual block, and kv_bits=16's full V); `attend`
+        un-rotates the attention output (out = out' R^T, exact since softmax . (V R) = (softmax . V) R), on both the
+        torch and the kernel path. No bytes: the layer holds its d signs (counted), the base matrix is a shared
+        constant regenerated from head_dim. `gather_dequantized` returns V in the stored (rotated) domain.
 
     The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_axis="token", k_group=32, v_group=32,
-    k_zero=true, v_clip=false; the defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by
+    k_zero=true, v_clip=false, v_rotate=false; the defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by
     decode-faithful perplexity (results/self_index.md).
     """
 
@@ -498,6 +557,7 @@ class SelfIndexSelector(TokenSelector):
     k_midrise: bool = False
     k_clip: bool = False
     v_clip: bool = False
+    v_rotate: bool = True
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -515,9 +575,9 @@ class SelfIndexSelector(TokenSelector):
         share = options.get("sink_share", 0.25)
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ConfigError(f"self-index sink_share must be a number in (0, 1], got {share!r}")
-        for name in ("k_zero", "k_midrise", "k_clip", "v_clip"):
+        for name in ("k_zero", "k_midrise", "k_clip", "v_clip", "v_rotate"):
             if not isinstance(options.get(name, False), bool):
-                raise ConfigError(f"self-index {name} must be true or false")
+                raise ConfigError(f"self-index {name} must be true or false, got {options[name]!r}")
         if options.get("k_zero", False) and (options.get("k_midrise", False) or options.get("k_clip", False)):
             raise ConfigError("self-index k_midrise / k_clip apply to scale-only magnitudes: set k_zero=false")
         axis = options.get("k_axis", "auto")
@@ -576,6 +636,7 @@ class SelfIndexSelector(TokenSelector):
         self._k_done = 0  # tokens [0, _k_done) have their compressed |K|; later ones are read from the tail
         self.mu = self.alpha = self.centroids = None
         self.sink_positions = self.sink_rank = self.sink_keys = self.sink_values = None
+        self.v_signs = self._v_base = None  # v_rotate: R = diag(v_signs) x _v_base, set at the prefill
 
     # --- storage hook -------------------------------------------------------------------------------------------
 
@@ -588,6 +649,21 @@ class SelfIndexSelector(TokenSelector):
 
     def _fp_dtype(self, like: torch.Tensor) -> torch.dtype:
         return FP_DTYPES[self.fp_dtype] or like.dtype
+
+    def _rotate_values(self, values: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+        """V [..., d] -> V R in `work` (V itself without v_rotate)."""
+        v = values.to(work)
+        if self.v_signs is None:
+            return v
+        return torch.matmul(v * self.v_signs.to(work), self._v_base.to(work))
+
+    def unrotate_values(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] in the stored V domain (an attention output, or rows of `gather_dequantized`) -> x R^T, in the
+        input's dtype, computed in the cache's work dtype (x itself without v_rotate)."""
+        if self.v_signs is None:
+            return x
+        work = self.v_signs.dtype
+        return (torch.matmul(x.to(work), self._v_base.T) * self.v_signs).to(x.dtype)
 
     def store(
         self, key_states: torch.Tensor, value_states: torch.Tensor
@@ -621,6 +697,9 @@ class SelfIndexSelector(TokenSelector):
         centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
         # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
         self.centroids = centroids if work == torch.float64 else centroids.to(torch.float16)
+        if self.v_rotate:  # built here, outside any CUDA graph capture of the decode steps
+            self.v_signs = rotation_signs(d, self.layer.layer_idx, work, k.device)
+            self._v_base = rotation_base(d, work, k.device)
         if self.sink_tokens > 0:
             positions, rank = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
             self.sink_positions, self.sink_rank = positions.to(torch.int32), rank.to(torch.int16)
@@ -628,7 +707,7 @@ class SelfIndexSelector(TokenSelector):
                 idx = positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
                 fp = self._fp_dtype(keys)
                 self.sink_keys = keys.gather(2, idx).to(fp)
-                self.sink_values = values.gather(2, idx).to(fp)
+                self.sink_values = self._rotate_values(values.gather(2, idx), work).to(fp)
         self._prefilled = True
         exclude = None  # tokens left out of the channel-axis block scales: padding, and sinks (read at 16-bit)
         if self.compressed and self.k_axis == "channel":
@@ -648,6 +727,7 @@ class SelfIndexSelector(TokenSelector):
     ) -> None:
         work = self._work_dtype(keys)
         centred = keys.to(work) - self.mu
+        rotated = self._rotate_values(values, work)  # V (v_rotate: V R) in the work dtype
         parts = {"sign_bits": pack_sign_bits(centred)}
         channel = self.compressed and self.k_axis == "channel"
         if self.compressed:
@@ -661,10 +741,10 @@ class SelfIndexSelector(TokenSelector):
                 groups = (centred.abs() / self.alpha).unflatten(-1, (-1, self.k_group))
                 codes, mag_scale = magnitude_codes(groups, self.k_bits, self.k_midrise, self.k_clip)
                 parts.update(k_mag=pack_bits(codes.flatten(-2), self.k_bits), k_scale=mag_scale)
-            val, val_scale, val_zero = quantize(values.to(work), self.kv_bits, self.v_group, clip=self.v_clip)
+            val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
             parts.update(v=val, v_scale=val_scale, v_zero=val_zero)
         else:
-            parts.update(k_full=keys, v_full=values)
+            parts.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
         self._store.append(**parts)
         if channel and prompt:
             self._compress_k_blocks(centred, 0, exclude)
@@ -693,7 +773,7 @@ class SelfIndexSelector(TokenSelector):
                 self._tail.append(k=old["k"], v=old["v"])
             self._tail_start = block
         fp = self._fp_dtype(keys)
-        self._tail.append(k=keys.to(fp), v=values.to(fp))
+        self._tail.append(k=keys.to(fp), v=values.to(fp) if self.v_signs is None else rotated.to(fp))
 
     def _compress_k_blocks(self, centred: torch.Tensor, start: int, exclude: torch.Tensor | None = None) -> None:
         """k_axis="channel": |K - mu| / alpha of the tokens [start, start + T) (centred [B, H, T, d]; full blocks,
@@ -906,17 +986,21 @@ class SelfIndexSelector(TokenSelector):
     # --- attention over the gathered tokens -------------------------------------------------------------------
 
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
+        """Attention of step.query over the selected tokens. The stored V is V R with v_rotate: both paths attend
+        over it and the output is un-rotated here (out = out' R^T)."""
         if (on_kernels := _self_index_device.attend(self, step, selection, scaling)) is not None:
-            return on_kernels  # dequantizes only the selected tokens' bytes, in registers
+            return self.unrotate_values(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
             keys, values = self._store.view("k_full"), self._store.view("v_full")
-            return sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling)
+            out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling)
+            return self.unrotate_values(out)
         query = step.query
         b, hq, q_len, d = query.shape
         s = selection.indices.shape[1]
         k_sel = selection.indices.shape[-1]
         chunk = max(1, (1 << 22) // max(1, b * s * k_sel * d))
-        out = query.new_empty(b, hq, q_len, d)
+        # with v_rotate the rotated output stays in the work dtype until it is un-rotated
+        out = query.new_empty(b, hq, q_len, d, dtype=query.dtype if self.v_signs is None else self.mu.dtype)
         n = self._store.length
         for lo in range(0, q_len, chunk):
             hi = min(q_len, lo + chunk)
@@ -928,13 +1012,14 @@ class SelfIndexSelector(TokenSelector):
                 positions,
                 scaling,
             )
-        return out
+        return out if self.v_signs is None else self.unrotate_values(out).to(query.dtype)
 
     def gather_dequantized(
         self, indices: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """indices [B, S, Q, K] (S = kv heads or query heads), positions [Q] of the queries ->
-        K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit)."""
+        K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit). V is in
+        the stored domain: V R with v_rotate (`unrotate_values` maps it back)."""
         work = self.mu.dtype
         keys = self._per_sel_head(self.mu, indices.shape[1])[:, :, None] + self.read_keys(indices, positions)
         values = dequantize(
@@ -956,7 +1041,7 @@ class SelfIndexSelector(TokenSelector):
         logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
         weights = torch.softmax(logits, dim=-1)
         out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
-        return out.reshape(b, hq, q, d).to(query.dtype)
+        return out.reshape(b, hq, q, d).to(query.dtype if self.v_signs is None else work)
 
     # --- memory ---------------------------------------------------------------------------------------------------
 
@@ -977,6 +1062,8 @@ class SelfIndexSelector(TokenSelector):
             "residual_fp": sum(self._tail.nbytes().values()),
             "codebook": _nbytes(self.centroids),
             "mu_alpha": _nbytes(self.mu) + _nbytes(self.alpha),
+            # v_rotate: the layer's d signs; the [d, d] base (rotation_base) is one constant shared by every layer
+            "v_rotation": _nbytes(self.v_signs),
         }
         return out
 
