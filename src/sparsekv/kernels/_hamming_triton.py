@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._tl_utils import popcount_tl
+from sparsekv.kernels._tl_utils import pdl_enter, popcount_tl
 from sparsekv.kernels._topk_triton import (
     HIST_MODE,
     chunking,
@@ -25,7 +25,7 @@ from sparsekv.kernels._topk_triton import (
     window_base,
     window_digit,
 )
-from sparsekv.kernels._triton import next_pow2
+from sparsekv.kernels._triton import next_pow2, pdl_launch
 
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
 # launch parameters of the scorer (the kernel benchmark sweeps them)
@@ -73,7 +73,9 @@ def _hamming_kernel(
     PACKED: tl.constexpr,
     WINDOW: tl.constexpr = False,
     HSLOT: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     r = tl.program_id(1)
     qi = r % Q
@@ -199,6 +201,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         WINDOW=window,
         HSLOT=levels if window else 0,
         num_warps=TUNE["num_warps"],
+        **pdl_launch(key_codes.device),
     )
     return out, hist, num_chunks, bpc, block, base
 

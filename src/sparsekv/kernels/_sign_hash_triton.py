@@ -9,6 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.kernels._tl_utils import pdl_enter
+from sparsekv.kernels._triton import pdl_launch
+
 
 @triton.jit
 def _sign_hash_kernel(
@@ -37,7 +40,9 @@ def _sign_hash_kernel(
     BIAS2: tl.constexpr,
     PREC: tl.constexpr,
     BM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     t = tl.program_id(0)
     r = tl.program_id(1)
     kvh = r % HKV
@@ -122,5 +127,6 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
         PREC="tf32x3" if w1.dtype == torch.float32 else "tf32",
         BM=bm,
         num_warps=8 if bits > 256 or w1.dtype == torch.float32 else 4,
+        **pdl_launch(x.device),
     )
     return out

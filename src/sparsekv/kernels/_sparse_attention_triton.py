@@ -11,7 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._triton import next_pow2
+from sparsekv.kernels._tl_utils import pdl_enter
+from sparsekv.kernels._triton import next_pow2, pdl_launch
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
 TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
@@ -54,7 +55,9 @@ def _partial_kernel(
     D: tl.constexpr,
     DP: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     sp = tl.program_id(0)
     r = tl.program_id(1)
     qi = r % Q
@@ -108,7 +111,9 @@ def _partial_kernel(
 
 
 @triton.jit
-def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr):
+def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl.constexpr, SP: tl.constexpr,
+                    USE_PDL: tl.constexpr = False):  # fmt: skip
+    pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     sp = tl.arange(0, SP)
     d = tl.arange(0, DP)
@@ -176,7 +181,9 @@ def sparse_attention_triton(
         BLOCK=block,
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
+        **pdl_launch(query.device),
     )
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
-    _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits))
+    _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits),
+                                   **pdl_launch(query.device))  # fmt: skip
     return out

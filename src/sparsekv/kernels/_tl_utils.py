@@ -30,3 +30,13 @@ def popcount_tl(x, USE_POPC: tl.constexpr):
         return libdevice.popc(x)
     else:
         return popcount32_tl(x)
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr):
+    """Programmatic dependent launch (Hopper on): wait until the previous kernel's writes are visible, then let the
+    next kernel's launch start. Called first in a kernel, so nothing is read or written before the wait; what
+    overlaps is the next kernel's launch and scheduling latency."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -17,6 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.kernels._tl_utils import pdl_enter
+from sparsekv.kernels._triton import pdl_launch
+
 INT_DIGIT_BITS = 5
 FLOAT_DIGIT_BITS = 8
 MAX_BINS = 1 << 20  # int scores whose range is below this take the radix path (4 levels of 5 bits)
@@ -181,7 +184,9 @@ def _hist_kernel(
     WINDOW: tl.constexpr = False,
     base_ptr=None,
     top=0,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     r = tl.program_id(1)
     if WINDOW:  # the radix levels run only for rows whose threshold fell outside the window
@@ -271,7 +276,9 @@ def _compact_kernel(
     base_ptr=None,
     hint_ptr=None,
     top=0,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_enter(USE_PDL)
     c = tl.program_id(0)
     r = tl.program_id(1)
     if WINDOW:
@@ -400,7 +407,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
             PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"],
-            WINDOW=window is not None, base_ptr=base, top=top, num_warps=4,
+            WINDOW=window is not None, base_ptr=base, top=top, num_warps=4, **pdl_launch(src.device),
         )  # fmt: skip
     return hist
 
@@ -422,7 +429,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
         ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, PREFETCH=PREFETCH["on"],
         WINDOW=window is not None, base_ptr=window[0] if window else None, hint_ptr=hint,
-        top=window[1] if window else 0, num_warps=4,
+        top=window[1] if window else 0, num_warps=4, **pdl_launch(src.device),
     )  # fmt: skip
     return out
 

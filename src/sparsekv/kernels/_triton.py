@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,6 +29,23 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     if interpreting():
         return True
     return all(t.is_cuda for t in tensors)
+
+
+# programmatic dependent launch for the decode-step kernels (SPARSEKV_PDL=0 turns it off, e.g. to measure it)
+PDL = {"on": os.environ.get("SPARSEKV_PDL", "1") != "0"}
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch arguments of a kernel that starts with `pdl_enter`: PDL on CUDA devices of compute capability >= 9
+    (never in the interpreter)."""
+    on = PDL["on"] and device.type == "cuda" and not interpreting()
+    on = on and _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+    return {"USE_PDL": True, "launch_pdl": True} if on else {}
 
 
 def next_pow2(x: int) -> int:
