@@ -34,7 +34,7 @@ def popcount_tl(x, USE_POPC: tl.constexpr):
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
-    """Programmatic dependent launch (Hopper on): wait until the previous kernel's writes are visible, then let the
+    """Programmatic dependent launch (Hopper and newer): wait until the previous kernel's writes are visible, then let the
     next kernel's launch start. Called first in a kernel, so nothing is read or written before the wait; what
     overlaps is the next kernel's launch and scheduling latency."""
     if USE_PDL:
