@@ -45,6 +45,19 @@ def _spread(base, idx, ok, s_row, EVERY: tl.constexpr, BLOCK: tl.constexpr, DP: 
 
 
 @triton.jit
+def _level_and_scale_row(q, idx, scale_offset, scale_rows, MIDRISE: tl.constexpr, SCALE_TOKENS: tl.constexpr):
+    """|K| level of the codes q (float32) and the k_scale row of each listed token idx [BLOCK]."""
+    level = q.to(tl.float32)
+    if MIDRISE:
+        level += 0.5
+    if SCALE_TOKENS > 1:
+        srow = tl.minimum((idx + scale_offset) // SCALE_TOKENS, scale_rows - 1)
+    else:
+        srow = idx
+    return level, srow
+
+
+@triton.jit
 def _centred_keys_vec(sign_base, mag_base, scale_base, zero_base, idx, ok, alpha, s_sign, s_mag, s_scale,
                       scale_offset, scale_rows, D: tl.constexpr, KBITS: tl.constexpr, MIDRISE: tl.constexpr,
                       HAS_ZERO: tl.constexpr, SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr,
@@ -59,13 +72,7 @@ def _centred_keys_vec(sign_base, mag_base, scale_base, zero_base, idx, ok, alpha
         )
     else:
         q = _unpack_row(mag_base, idx, ok, s_mag, 0, KBITS, BLOCK, D)
-    level = q.to(tl.float32)
-    if MIDRISE:
-        level += 0.5
-    if SCALE_TOKENS > 1:
-        srow = tl.minimum((idx + scale_offset) // SCALE_TOKENS, scale_rows - 1)
-    else:
-        srow = idx
+    level, srow = _level_and_scale_row(q, idx, scale_offset, scale_rows, MIDRISE, SCALE_TOKENS)
     mag = level * _spread(scale_base, srow, ok, s_scale, CH_PER_SCALE, BLOCK, D)
     if HAS_ZERO:
         mag += _spread(zero_base, srow, ok, s_scale, CH_PER_SCALE, BLOCK, D)
@@ -116,13 +123,7 @@ def _centred_keys(sign_base, mag_base, scale_base, zero_base, idx, ok, c, cmask,
         PER: tl.constexpr = 8 // KBITS
         byte = tl.load(row_mag + (c // PER)[None, :], mask=m2, other=0).to(tl.int32)
         q = (byte >> ((c % PER) * KBITS)[None, :]) & ((1 << KBITS) - 1)
-    level = q.to(tl.float32)
-    if MIDRISE:
-        level += 0.5
-    if SCALE_TOKENS > 1:
-        srow = tl.minimum((idx + scale_offset) // SCALE_TOKENS, scale_rows - 1)
-    else:
-        srow = idx
+    level, srow = _level_and_scale_row(q, idx, scale_offset, scale_rows, MIDRISE, SCALE_TOKENS)
     s_off = srow[:, None] * s_scale + (c // CH_PER_SCALE)[None, :]
     mag = level * tl.load(scale_base + s_off, mask=m2, other=0.0).to(tl.float32)
     if HAS_ZERO:
