@@ -14,7 +14,7 @@
   24 queries in the second half; top-10% of each scorer vs oracle top-10% (group-summed softmax weights), IoU
   averaged over the sparse layers and kv-heads, and the exact attention mass each selection keeps. Scorers:
   self-index LUT (1 bit/dim + 16 centroids per 4 dims), the LUT's 3 x k re-ranked by q . (sign x 3-bit |K|) (the
-  default cache's selection, sinks aside), lsh simhash with head_dim bits (1 bit/dim, keys centred) and with 1024
+  cache's selection, sinks aside; token-wise |K| scales here), both again on rotated keys (k_rotate, the default), lsh simhash with head_dim bits (1 bit/dim, keys centred) and with 1024
   bits (lsh's default), sign-only Hamming (the paper's ablation). No sinks are forced in this section.
 """
 
@@ -65,6 +65,7 @@ PAPER = {
     "k_zero": True,
     "v_clip": False,
     "v_rotate": False,
+    "k_rotate": False,
 }
 SI_PAPER = SparseConfig(method="self-index", budget=0.1, options=PAPER)
 DENSE = SparseConfig(method="dense")
@@ -138,7 +139,24 @@ def iou_section(model, tokenizer, quick: bool) -> dict:
     from sparsekv.kernels.bits import pack_sign_bits
     from sparsekv.kernels.hamming import hamming_scores
     from sparsekv.selectors.lsh import hash_codes, projection_matrix
-    from sparsekv.selectors.self_index import dequantize, lut_scores, one_pass_centroids, quantize, sign_codes
+    from sparsekv.selectors.self_index import (
+        dequantize,
+        lut_scores,
+        one_pass_centroids,
+        quantize,
+        sign_codes,
+        value_rotation,
+    )
+
+    def lut_and_rerank(q_group, k):
+        """The LUT scores of q_group over k (mu, codebook and alpha from the prompt) and q . (sign x 3-bit |K|)."""
+        centred = k - k[:, :, :prompt].mean(2, keepdim=True)
+        cents = one_pass_centroids(centred[:, :, :prompt], sign_codes(centred[:, :, :prompt]))
+        lut = lut_scores(q_group, cents, sign_codes(centred))  # [1, Hkv, P, N]
+        alpha = centred[:, :, :prompt].abs().amax(2, keepdim=True)
+        mag = dequantize(*quantize(centred.abs() / alpha, 3, 64), 3, torch.float32)
+        k_read = torch.where(centred > 0, 1.0, -1.0) * mag * alpha
+        return lut, torch.matmul(q_group, k_read.transpose(-1, -2))
 
     context = 1024 if quick else 2048
     prompt = context // 2
@@ -160,6 +178,8 @@ def iou_section(model, tokenizer, quick: bool) -> dict:
     names = (
         "self_index_lut",
         "self_index_lut_rescore3",
+        "self_index_lut_k_rotate",
+        "self_index_lut_k_rotate_rescore3",
         "lsh_simhash_same_bits",
         "lsh_simhash_1024_bits",
         "sign_only_hamming",
@@ -172,18 +192,13 @@ def iou_section(model, tokenizer, quick: bool) -> dict:
         q = queries[layer].float()  # [1, Hq, N, d]
         k = keys[layer].float()  # [1, Hkv, N, d]
         d = k.shape[-1]
-        mu = k[:, :, :prompt].mean(2, keepdim=True)
-        centred = k - mu
-        cents = one_pass_centroids(centred[:, :, :prompt], sign_codes(centred[:, :, :prompt]))
-        codes = sign_codes(centred)
+        centred = k - k[:, :, :prompt].mean(2, keepdim=True)
         qs = q[:, :, positions]  # [1, Hq, P, d]
         q_group = qs.view(1, hkv, g, len(positions), d).sum(2)
-        lut = lut_scores(q_group, cents, codes)  # [1, Hkv, P, N]
-        # the default cache's second stage: the LUT's best 3 x k re-ranked by q . (sign x 3-bit |K| x alpha)
-        alpha = centred[:, :, :prompt].abs().amax(2, keepdim=True)
-        mag = dequantize(*quantize(centred.abs() / alpha, 3, 64), 3, torch.float32)
-        k_read = torch.where(centred > 0, 1.0, -1.0) * mag * alpha
-        fine = torch.matmul(q_group, k_read.transpose(-1, -2))
+        # the cache's second stage: the LUT's best 3 x k re-ranked by q . (sign x 3-bit |K| x alpha)
+        lut, fine = lut_and_rerank(q_group, k)
+        rotation = value_rotation(d, layer, torch.float32)  # k_rotate: q R . K R
+        lut_rot, fine_rot = lut_and_rerank(q_group @ rotation, k @ rotation)
         proj = projection_matrix(d, d, "simhash", seed=0)
         lsh = hamming_scores(hash_codes(qs, proj), hash_codes(centred, proj), bits=d).float()
         proj_wide = projection_matrix(d, 1024, "simhash", seed=0)
@@ -199,7 +214,9 @@ def iou_section(model, tokenizer, quick: bool) -> dict:
         scorers = {
             "oracle": weights,
             "self_index_lut": lut,
-            "self_index_lut_rescore3": "rescore",
+            "self_index_lut_rescore3": (lut, fine),
+            "self_index_lut_k_rotate": lut_rot,
+            "self_index_lut_k_rotate_rescore3": (lut_rot, fine_rot),
             "lsh_simhash_same_bits": lsh,
             "lsh_simhash_1024_bits": lsh_wide,
             "sign_only_hamming": sign_only,
@@ -210,9 +227,9 @@ def iou_section(model, tokenizer, quick: bool) -> dict:
                 visible = p + 1
                 kk = max(1, math.ceil(0.1 * visible))
                 truth = topk_mask(weights[..., i, :visible], kk)
-                if name == "self_index_lut_rescore3":
-                    candidates = topk_mask(lut[..., i, :visible], min(visible, 3 * kk))
-                    guess = topk_mask(fine[..., i, :visible].masked_fill(~candidates, -math.inf), kk)
+                if isinstance(scores, tuple):  # LUT candidates, then the re-rank
+                    candidates = topk_mask(scores[0][..., i, :visible], min(visible, 3 * kk))
+                    guess = topk_mask(scores[1][..., i, :visible].masked_fill(~candidates, -math.inf), kk)
                 else:
                     guess = topk_mask(scores[..., i, :visible], kk)
                 ious.append((truth & guess).sum(-1).float() / (truth | guess).sum(-1).float())  # [1, Hkv]

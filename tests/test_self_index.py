@@ -4,6 +4,7 @@ through a tiny model (chunked == token-by-token, 16-bit == dense), padding-invar
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.selectors.base import LayerInfo
 from sparsekv.selectors.self_index import (
     _BITREV4,
+    V_CLIP_RATIOS,
     SelfIndexSelector,
     cache_memory,
     codes_from_sign_bits,
@@ -211,6 +213,21 @@ def test_clipped_value_ranges_never_increase_the_squared_error():
     top = zero.float() + 3 * scale.float()
     assert (zero.float() >= lo - 1e-2).all() and (top <= hi + 1e-2).all()
     assert ((top - zero.float()) >= 0.6 * (hi - lo) - 1e-2).all()
+    # every group keeps the ratio of least error (the first on ties), as a plain loop over the ratios finds it
+    errors = []
+    for ratio in V_CLIP_RATIOS:
+        shrink = (hi - lo) * (1 - ratio) / 2
+        z = (lo + shrink).half().float()
+        s = ((hi - shrink - z) / 3).half().float()
+        up = torch.nextafter(s.half(), torch.tensor(math.inf).half()).float()
+        s = torch.where(s * 3 + z < hi - shrink, up, s)
+        q = ((g - z[..., None]) / torch.where(s > 0, s, 1)[..., None]).round().clamp(0, 3)
+        errors.append((q * s[..., None] + z[..., None] - g).square().sum(-1))
+    torch.testing.assert_close(err(clipped), torch.stack(errors, -1).amin(-1), rtol=1e-4, atol=1e-4)
+    # chunks of groups (a long prefill) give the same codes and parameters
+    with patch("sparsekv.selectors.self_index._QUANT_CHUNK", 7):
+        chunked = quantize(x, 2, 64, clip=True)
+    assert all(torch.equal(a, b) for a, b in zip(chunked, (packed, scale, zero)))
     # a hand case: 2 bits, values {0 x 63, 9}: the full range (scale 3) is best, nothing clips
     y = torch.zeros(1, 64)
     y[0, 5] = 9.0
@@ -250,7 +267,8 @@ def test_channel_axis_keys_round_trip():
     keys[:, :, 3] *= 30  # an outlier token
     values = torch.randn(1, 3, n, 64, generator=gen)
     query = torch.randn(1, 9, n, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=4, k_axis="channel", k_group=g, k_midrise=True), keys, values, query)
+    sel = prefilled(selector(sink_tokens=4, k_axis="channel", k_group=g, k_midrise=True, k_rotate=False),
+                    keys, values, query)  # fmt: skip
     assert sel._k_pad == 24 and sel._k_blocks.length == 7 and sel._k_done == n
     scale = sel._k_blocks.view("k_scale").float()  # [1, 3, 7, 64]
     x = (keys - sel.mu).abs() / sel.alpha
@@ -295,7 +313,8 @@ def test_compressed_keys_round_trip_error_and_signs():
     )  # channels of different scale
     values = torch.randn(1, 3, 200, 64, generator=gen)
     query = torch.randn(1, 9, 200, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=0, k_axis="token", v_clip=False, v_rotate=False), keys, values, query)
+    options = {"sink_tokens": 0, "k_axis": "token", "v_clip": False, "v_rotate": False, "k_rotate": False}
+    sel = prefilled(selector(**options), keys, values, query)
     idx = torch.arange(200).view(1, 1, 1, 200).expand(1, 3, 1, 200)
     k_hat, v_hat = sel.gather_dequantized(idx, torch.tensor([199]))
     k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
@@ -397,20 +416,45 @@ def test_v_rotate_is_transparent_at_16_bits():
 def test_v_rotate_is_transparent_on_the_16_bit_copies_of_a_compressed_cache():
     """A 2-bit cache whose every token is read from its 16-bit copies (all prompt tokens are sinks, the decode
     tokens are in the residual block), at float64: the sinks and the residual block live in the rotated domain,
-    so v_rotate changes nothing (torch path: gather, attend over V R, un-rotate)."""
+    so v_rotate and k_rotate change nothing (torch path: gather, attend over V R with q R . K R, un-rotate)."""
     gen = torch.Generator().manual_seed(42)
     n, extra = 40, 20
     keys = torch.randn(1, 3, n + extra, 64, generator=gen, dtype=torch.float64)
     values = torch.randn(1, 3, n + extra, 64, generator=gen, dtype=torch.float64)
     query = torch.randn(1, 9, n + extra, 64, generator=gen, dtype=torch.float64)
     outs = []
-    for rotate in (True, False):
-        sel = prefilled(selector(sink_tokens=n, sink_share=1.0, fp_dtype="input", v_rotate=rotate),
-                        keys[:, :, :n], values[:, :, :n], query[:, :, :n])  # fmt: skip
+    for v_rotate, k_rotate in ((True, True), (True, False), (False, True), (False, False)):
+        sel = prefilled(selector(sink_tokens=n, sink_share=1.0, fp_dtype="input", v_rotate=v_rotate,
+                                 k_rotate=k_rotate), keys[:, :, :n], values[:, :, :n], query[:, :, :n])  # fmt: skip
         sel.store(keys[:, :, n:], values[:, :, n:])
         step = _decode_step(sel, query[:, :, -1:], n + extra, 25)
         outs.append(sel.attend(step, sel.select(step), 0.125))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=1e-12)
+
+
+def test_k_rotate_stores_rotated_keys_and_keeps_every_dot_product():
+    """kv_bits=16 with k_rotate stores K R and rotates the query: for the same tokens, the re-rank scores
+    q . (K - mu) and the attention output equal the unrotated cache's, while the index (sign codes of the
+    rotated keys) differs."""
+    gen = torch.Generator().manual_seed(44)
+    n = 120
+    scale = torch.linspace(0.1, 4, 64, dtype=torch.float64)  # unequal channels: rotation changes the signs
+    keys = torch.randn(2, 3, n, 64, generator=gen, dtype=torch.float64) * scale
+    values = torch.randn(2, 3, n, 64, generator=gen, dtype=torch.float64)
+    query = torch.randn(2, 9, n, 64, generator=gen, dtype=torch.float64)
+    rot = prefilled(selector(kv_bits=16, k_rotate=True), keys, values, query)
+    plain = prefilled(selector(kv_bits=16, k_rotate=False), keys, values, query)
+    r = value_rotation(64, rot.layer.layer_idx)
+    torch.testing.assert_close(rot._store.view("k_full"), keys @ r, rtol=0, atol=1e-12)
+    assert not torch.equal(rot.codes(), plain.codes())
+    step = _decode_step(rot, query[:, :, -1:], n, 30)
+    index = torch.randperm(n, generator=gen)[:40].view(1, 1, 1, 40).expand(2, 3, 1, 40)
+    rotated = rot._candidate_scores(rot._rotated_query(step), index)
+    torch.testing.assert_close(rotated, plain._candidate_scores(step, index), rtol=0, atol=1e-4)
+    picked = plain.select(step)
+    out = rot.attend(step, picked, 0.125)
+    torch.testing.assert_close(out, plain.attend(step, picked, 0.125), rtol=0, atol=1e-10)
 
 
 def test_v_rotate_spreads_an_outlier_channel_over_the_2_bit_groups():
@@ -423,7 +467,7 @@ def test_v_rotate_spreads_an_outlier_channel_over_the_2_bit_groups():
     idx = torch.arange(n).view(1, 1, 1, n).expand(1, 3, 1, n)
     errors = {}
     for rotate in (True, False):
-        sel = prefilled(selector(sink_tokens=0, v_rotate=rotate), keys, values, query)
+        sel = prefilled(selector(sink_tokens=0, v_rotate=rotate, v_clip=False), keys, values, query)
         v_hat = sel.unrotate_values(sel.gather_dequantized(idx, torch.tensor([n - 1]))[1])[:, :, 0]
         errors[rotate] = ((v_hat - values).norm() / values.norm()).item()
     assert errors[True] < 0.6 * errors[False], errors
@@ -436,7 +480,7 @@ def test_sinks_kept_full_precision_and_always_selected():
     gen = torch.Generator().manual_seed(5)
     keys, values = torch.randn(1, 3, 300, 64, generator=gen), torch.randn(1, 3, 300, 64, generator=gen)
     query = torch.randn(1, 9, 300, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=8, sink_share=1.0), keys, values, query)
+    sel = prefilled(selector(sink_tokens=8, sink_share=1.0, k_rotate=False), keys, values, query)
     pos = sel.sink_positions.long()
     assert pos.shape == (1, 3, 8) and (pos.diff(dim=-1) > 0).all()
     idx = pos[:, :, None]  # [1, 3, 1, 8]
@@ -564,8 +608,9 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="k_zero"):
         SparseConfig(method="self-index", options={"k_zero": True, "k_midrise": True})
     for bad in ("yes", 1, None):
-        with pytest.raises(ConfigError, match="self-index v_rotate must be true or false"):
-            SparseConfig(method="self-index", options={"v_rotate": bad})
+        for name in ("v_rotate", "k_rotate", "v_clip"):
+            with pytest.raises(ConfigError, match=f"self-index {name} must be true or false"):
+                SparseConfig(method="self-index", options={name: bad})
 
 
 # --------------------------------------------------------------------------------------------- memory
@@ -636,6 +681,7 @@ def test_device_top_k_path_selects_what_the_sorted_rule_selects(options):
                       forced=torch.zeros_like(visible), budgets=torch.full((2, 1), 30), layer=sel.layer,
                       gqa="group", hints=StepHints(max_budget=30, uniform=True))  # fmt: skip
     expected = sel.select(step).to_mask(300)
+    step = sel._rotated_query(step)  # as select does (k_rotate)
     scores = to_selection_heads(sel.score(step), step).float()
     fast = sel._select_uniform_device(step, scores, 30)
     assert fast.valid.all() and torch.equal(fast.to_mask(300), expected)

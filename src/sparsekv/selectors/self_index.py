@@ -61,7 +61,7 @@ references here (no kernel yet); `kernels.bits.pack_sign_bits` packs the sign bi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -260,8 +260,10 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
 
 
-#: range ratios tried per group by `quantize(clip=True)` (the V rows; least squared error)
-V_CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+#: range ratios tried per group by `quantize(clip=True)` (the V rows; least squared error): 1, 0.95, ..., 0.6
+V_CLIP_RATIOS = tuple(1 - 0.05 * i for i in range(9))
+#: groups quantized at once: bounds the [groups, ratios, group] temporaries of a long prefill
+_QUANT_CHUNK = 1 << 18
 
 
 def quantize(
@@ -275,41 +277,46 @@ def quantize(
     `with_zero=False` (x >= 0, e.g. magnitudes) fixes the zero at 0 and returns None for it: half the parameter
     bytes, and the bound becomes scale / 2 with scale = max / (2^bits - 1).
     `clip` (with a zero only): the range [min, max] is shrunk about its middle to V_CLIP_RATIOS x its width, the
-    ratio with the least squared error of the group kept (values outside clamp to the end levels); same format.
+    ratio with the least squared error of the group kept (the first on ties; values outside clamp to the end
+    levels); same format. All ratios are tried at once (a fixed number of ops: decode steps run it per token).
     """
-    levels = (1 << bits) - 1
     g = x.unflatten(-1, (-1, group))
-    lo, hi = g.amin(-1), g.amax(-1)
+    rows = g.reshape(-1, group)
+    ratios = len(V_CLIP_RATIOS) if clip and with_zero else 1
+    parts = [_quantize_rows(part, bits, with_zero, ratios) for part in rows.split(_QUANT_CHUNK)]
+    q, scale, zero = (torch.cat(t) if len(parts) > 1 else t[0] for t in zip(*parts))
+    q, scale, zero = q.view(g.shape), scale.view(g.shape[:-1]), zero.view(g.shape[:-1])
+    return pack_bits(q.flatten(-2), bits), scale, zero if with_zero else None
+
+
+def _quantize_rows(
+    g: torch.Tensor, bits: int, with_zero: bool, ratios: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """g [M, group] -> (codes [M, group], scale fp16 [M], zero fp16 [M]) for the first `ratios` V_CLIP_RATIOS."""
+    levels = (1 << bits) - 1
+    dtype = g.dtype
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
     if not with_zero:  # negative inputs would clamp to 0 (no check: it would sync a device every decode step)
         lo = torch.zeros_like(lo)
-    best = None
-    for ratio in V_CLIP_RATIOS if clip and with_zero else (1.0,):
-        shrink = (hi - lo) * (1 - ratio) / 2
-        top = hi - shrink
-        zero = (lo + shrink).to(torch.float16)
-        scale = ((top - zero.to(x.dtype)) / levels).to(torch.float16)
-        scale = torch.where(
-            (scale.to(x.dtype) * levels + zero.to(x.dtype)) < top,
-            torch.nextafter(scale, torch.full_like(scale, math.inf)),  # full_like: no host copy (graph capture)
-            scale,
-        )
-        safe = torch.where(scale > 0, scale.to(x.dtype), torch.ones_like(hi))
-        q = torch.round((g - zero.to(x.dtype)[..., None]) / safe[..., None]).clamp(0, levels)
-        if best is None:
-            best = (q, scale, zero)
-            if clip and with_zero:
-                best_err = (q * scale.to(x.dtype)[..., None] + zero.to(x.dtype)[..., None] - g).square().sum(-1)
-            continue
-        err = (q * scale.to(x.dtype)[..., None] + zero.to(x.dtype)[..., None] - g).square().sum(-1)
-        better = err < best_err
-        best = (
-            torch.where(better[..., None], q, best[0]),
-            torch.where(better, scale, best[1]),
-            torch.where(better, zero, best[2]),
-        )
-        best_err = torch.where(better, err, best_err)
-    q, scale, zero = best
-    return pack_bits(q.flatten(-2), bits), scale, zero if with_zero else None
+    # (1 - ratio) / 2 of V_CLIP_RATIOS, built on the device (no host copy: decode steps are graph-captured)
+    half_cut = torch.arange(ratios, device=g.device, dtype=dtype) * 0.025
+    shrink = (hi - lo) * half_cut  # [M, R]
+    top = hi - shrink
+    zero = (lo + shrink).to(torch.float16)
+    scale = ((top - zero.to(dtype)) / levels).to(torch.float16)
+    scale = torch.where(
+        (scale.to(dtype) * levels + zero.to(dtype)) < top,
+        torch.nextafter(scale, torch.full_like(scale, math.inf)),  # full_like: no host copy (graph capture)
+        scale,
+    )
+    safe = torch.where(scale > 0, scale.to(dtype), torch.ones_like(top))
+    q = torch.round((g[:, None] - zero.to(dtype)[..., None]) / safe[..., None]).clamp(0, levels)  # [M, R, G]
+    if ratios > 1:
+        err = (q * scale.to(dtype)[..., None] + zero.to(dtype)[..., None] - g[:, None]).square().sum(-1)
+        best = err.argmin(-1, keepdim=True)  # the first of equal errors
+        q = q.gather(1, best[..., None].expand(-1, -1, q.shape[-1]))
+        scale, zero = scale.gather(1, best), zero.gather(1, best)
+    return q[:, 0], scale[:, 0], zero[:, 0]
 
 
 def dequantize(
@@ -523,8 +530,9 @@ class SelfIndexSelector(TokenSelector):
         scale = max / (2^k_bits - 1) (no exact zero; measured worse: magnitudes are concentrated near 0).
     k_clip: |K| scale per group chosen among CLIP_RATIOS x max by least squared error (measured worse: it clips
         the outliers that carry the attention).
-    v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (same format; measured worse
-        by perplexity although it halves the offline attention-output error).
+    v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (same format). On by default
+        since it was measured with k_rotate over nine 4K windows x three rotation seeds (alone it had been judged
+        on one window, where it does not help).
     v_rotate: store V' = V R with a fixed orthogonal R per layer (`value_rotation`: +-1 signs seeded by the layer
         index times the normalised Hadamard matrix; a seeded QR rotation when head_dim is not a power of two), so
         that an outlier channel no longer sets the 2-bit range of its whole group. Every stored V row is in the
@@ -532,10 +540,15 @@ class SelfIndexSelector(TokenSelector):
         un-rotates the attention output (out = out' R^T, exact since softmax . (V R) = (softmax . V) R), on both the
         torch and the kernel path. No bytes: the layer holds its d signs (counted), the base matrix is a shared
         constant regenerated from head_dim. `gather_dequantized` returns V in the stored (rotated) domain.
+    k_rotate: store keys as K R (the same R as V's) and rotate each query by R before scoring and attention: q . k
+        and so attention are unchanged, but the sign index, mu / alpha and the |K| scales all see rotated keys,
+        whose energy is spread over the channels. Measured better both for the index (kv_bits=16) and for the
+        compressed cache (results/self_index.md). Every stored K row (sign bits, |K| codes, sinks, residual
+        block, kv_bits=16's full K) is in the rotated domain; `read_keys` / `gather_dequantized` return it so.
 
     The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_axis="token", k_group=32, v_group=32,
-    k_zero=true, v_clip=false, v_rotate=false; the defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by
-    decode-faithful perplexity (results/self_index.md).
+    k_zero=true, v_clip=false, v_rotate=false, k_rotate=false; the defaults keep the same bytes per token (24.8% of
+    bf16 at 4K) and were chosen by decode-faithful perplexity (results/self_index.md).
     """
 
     name = "self-index"
@@ -556,8 +569,9 @@ class SelfIndexSelector(TokenSelector):
     k_axis: str = "auto"
     k_midrise: bool = False
     k_clip: bool = False
-    v_clip: bool = False
+    v_clip: bool = True
     v_rotate: bool = True
+    k_rotate: bool = True
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -575,7 +589,7 @@ class SelfIndexSelector(TokenSelector):
         share = options.get("sink_share", 0.25)
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise ConfigError(f"self-index sink_share must be a number in (0, 1], got {share!r}")
-        for name in ("k_zero", "k_midrise", "k_clip", "v_clip", "v_rotate"):
+        for name in ("k_zero", "k_midrise", "k_clip", "v_clip", "v_rotate", "k_rotate"):
             if not isinstance(options.get(name, False), bool):
                 raise ConfigError(f"self-index {name} must be true or false, got {options[name]!r}")
         if options.get("k_zero", False) and (options.get("k_midrise", False) or options.get("k_clip", False)):
@@ -636,7 +650,9 @@ class SelfIndexSelector(TokenSelector):
         self._k_done = 0  # tokens [0, _k_done) have their compressed |K|; later ones are read from the tail
         self.mu = self.alpha = self.centroids = None
         self.sink_positions = self.sink_rank = self.sink_keys = self.sink_values = None
-        self.v_signs = self._v_base = None  # v_rotate: R = diag(v_signs) x _v_base, set at the prefill
+        # R = diag(signs) x _rot_base, set at the prefill: v_signs with v_rotate, k_signs with k_rotate (one tensor)
+        self.v_signs = self.k_signs = self._rot_base = None
+        self._rotated_for: tuple[torch.Tensor, torch.Tensor] | None = None  # (query, query R) of the last step
 
     # --- storage hook -------------------------------------------------------------------------------------------
 
@@ -655,7 +671,7 @@ class SelfIndexSelector(TokenSelector):
         v = values.to(work)
         if self.v_signs is None:
             return v
-        return torch.matmul(v * self.v_signs.to(work), self._v_base.to(work))
+        return torch.matmul(v * self.v_signs.to(work), self._rot_base.to(work))
 
     def unrotate_values(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] in the stored V domain (an attention output, or rows of `gather_dequantized`) -> x R^T, in the
@@ -663,14 +679,30 @@ class SelfIndexSelector(TokenSelector):
         if self.v_signs is None:
             return x
         work = self.v_signs.dtype
-        return (torch.matmul(x.to(work), self._v_base.T) * self.v_signs).to(x.dtype)
+        return (torch.matmul(x.to(work), self._rot_base.T) * self.v_signs).to(x.dtype)
+
+    def _rotate_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """k_rotate: keys or queries [..., d] -> x R in their dtype (computed in the work dtype); x itself without.
+        q . k is unchanged, so attention is too; what changes is what the sign index and the |K| scales see."""
+        if self.k_signs is None:
+            return x
+        work = self.k_signs.dtype
+        return torch.matmul(x.to(work) * self.k_signs, self._rot_base).to(x.dtype)
+
+    def _rotated_query(self, step: DecodeStep) -> DecodeStep:
+        """The step with its query rotated (k_rotate), once per step: select and attend see the same query."""
+        if self.k_signs is None:
+            return step
+        if self._rotated_for is None or self._rotated_for[0] is not step.query:
+            self._rotated_for = (step.query, self._rotate_keys(step.query))
+        return replace(step, query=self._rotated_for[1])
 
     def store(
         self, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._prefilled:
             return key_states, value_states  # the dense prefill needs them; prefill() compresses
-        self._append(key_states, value_states)
+        self._append(self._rotate_keys(key_states), value_states)
         b, h, _, _ = key_states.shape
         stand_in = key_states.new_empty(b, h, self._store.length, 0)
         return stand_in, stand_in
@@ -685,8 +717,15 @@ class SelfIndexSelector(TokenSelector):
         """Builds mu/alpha/codebook/sinks from the prompt and compresses it. `key_mask` [B, N] (False = padding)
         keeps left padding out of the statistics; without it every prompt position counts."""
         work = self._work_dtype(keys)
+        b, _, n, d = keys.shape
+        if self.v_rotate or self.k_rotate:  # built here, outside any CUDA graph capture of the decode steps
+            signs = rotation_signs(d, self.layer.layer_idx, work, keys.device)
+            self._rot_base = rotation_base(d, work, keys.device)
+            self.v_signs = signs if self.v_rotate else None
+            self.k_signs = signs if self.k_rotate else None
+        sink_query, sink_keys = query, keys  # (q . k is rotation invariant: the sinks are chosen unrotated)
+        keys = self._rotate_keys(keys)
         k = keys.to(work)
-        b, _, n, d = k.shape
         weight = torch.ones(b, n, dtype=work, device=k.device) if key_mask is None else key_mask.to(work)
         wsum = weight.sum(-1).clamp(min=1)[:, None, None, None]
         self.mu = (k * weight[:, None, :, None]).sum(2, keepdim=True) / wsum  # [B, H, 1, d]
@@ -697,11 +736,8 @@ class SelfIndexSelector(TokenSelector):
         centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
         # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
         self.centroids = centroids if work == torch.float64 else centroids.to(torch.float16)
-        if self.v_rotate:  # built here, outside any CUDA graph capture of the decode steps
-            self.v_signs = rotation_signs(d, self.layer.layer_idx, work, k.device)
-            self._v_base = rotation_base(d, work, k.device)
         if self.sink_tokens > 0:
-            positions, rank = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
+            positions, rank = snap_sinks(sink_keys, sink_query, self.sink_tokens, self.layer.scaling, key_mask)
             self.sink_positions, self.sink_rank = positions.to(torch.int32), rank.to(torch.int16)
             if self.compressed:
                 idx = positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
@@ -838,6 +874,7 @@ class SelfIndexSelector(TokenSelector):
     def select(self, step: DecodeStep) -> Selection:
         """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
         does not depend on the other rows or on the row length (chunked == token-by-token)."""
+        step = self._rotated_query(step)
         scores = to_selection_heads(self.score(step), step).float()
         k_max = step.max_budget()
         if step.uniform and scores.device.type != "cpu":
@@ -988,6 +1025,7 @@ class SelfIndexSelector(TokenSelector):
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
         """Attention of step.query over the selected tokens. The stored V is V R with v_rotate: both paths attend
         over it and the output is un-rotated here (out = out' R^T)."""
+        step = self._rotated_query(step)
         if (on_kernels := _self_index_device.attend(self, step, selection, scaling)) is not None:
             return self.unrotate_values(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
@@ -1063,7 +1101,7 @@ class SelfIndexSelector(TokenSelector):
             "codebook": _nbytes(self.centroids),
             "mu_alpha": _nbytes(self.mu) + _nbytes(self.alpha),
             # v_rotate: the layer's d signs; the [d, d] base (rotation_base) is one constant shared by every layer
-            "v_rotation": _nbytes(self.v_signs),
+            "v_rotation": _nbytes(self.v_signs if self.v_signs is not None else self.k_signs),
         }
         return out
 
