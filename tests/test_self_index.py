@@ -634,7 +634,7 @@ def test_memory_breakdown_is_under_a_quarter_of_bf16_at_4k():
     assert per_token_head["v_quant"] == pytest.approx(16, rel=0.05)  # 64 x 2 bits
     assert per_token_head["v_scale_zero"] == pytest.approx(4, rel=0.05)  # 1 group x (scale + zero) x fp16
     assert parts["kv_full"] == 0
-    assert parts["v_rotation"] == (64 * 4 if sel.v_rotate else 0)  # the layer's fp32 signs
+    assert parts["rotation"] == (64 * 4 if sel.v_rotate or sel.k_rotate else 0)  # the layer's fp32 signs
     ratio = sum(parts.values()) / (sel.num_tokens * 3 * 2 * 64 * 2)
     assert ratio <= 0.25, ratio
 

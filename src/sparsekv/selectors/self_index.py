@@ -1100,8 +1100,9 @@ class SelfIndexSelector(TokenSelector):
             "residual_fp": sum(self._tail.nbytes().values()),
             "codebook": _nbytes(self.centroids),
             "mu_alpha": _nbytes(self.mu) + _nbytes(self.alpha),
-            # v_rotate: the layer's d signs; the [d, d] base (rotation_base) is one constant shared by every layer
-            "v_rotation": _nbytes(self.v_signs if self.v_signs is not None else self.k_signs),
+            # v_rotate / k_rotate: the layer's d signs (one tensor for both); the [d, d] base (rotation_base) is
+            # one constant shared by every layer
+            "rotation": _nbytes(self.v_signs if self.v_signs is not None else self.k_signs),
         }
         return out
 
