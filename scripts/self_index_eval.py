@@ -14,8 +14,9 @@
   24 queries in the second half; top-10% of each scorer vs oracle top-10% (group-summed softmax weights), IoU
   averaged over the sparse layers and kv-heads, and the exact attention mass each selection keeps. Scorers:
   self-index LUT (1 bit/dim + 16 centroids per 4 dims), the LUT's 3 x k re-ranked by q . (sign x 3-bit |K|) (the
-  cache's selection, sinks aside; token-wise |K| scales here), both again on rotated keys (k_rotate, the default), lsh simhash with head_dim bits (1 bit/dim, keys centred) and with 1024
-  bits (lsh's default), sign-only Hamming (the paper's ablation). No sinks are forced in this section.
+  cache's selection, sinks aside; token-wise |K| scales here), both again on rotated keys (k_rotate, the default),
+  lsh simhash with head_dim bits (1 bit/dim, keys centred) and with 1024 bits (lsh's default), sign-only Hamming
+  (the paper's ablation). No sinks are forced in this section.
 """
 
 from __future__ import annotations
