@@ -211,6 +211,34 @@ def test_cli_generate_writes_json(tmp_path, real_model):
     assert "tokens/s" in result.stdout
 
 
+def test_cli_demo_compares_answers_and_cache_bytes(tmp_path, real_model):
+    """The README's first command: dense vs self-index on a needle prompt; the compressed cache holds a fraction
+    of the dense one (2 of 30 layers stay dense at float32)."""
+    out = tmp_path / "demo.json"
+    result = run_cli("demo", "--context", "400", "--max-new-tokens", "6", "--output", str(out))
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(out.read_text())
+    assert set(payload) == {"dense", "self-index"}
+    assert 0 < payload["self-index"]["cache_bytes"] < 0.4 * payload["dense"]["cache_bytes"]
+    assert "KV cache" in result.stdout and ("same answer" in result.stdout or "answers differ" in result.stdout)
+
+
+def test_cache_memory_counts_buffer_capacity_or_only_the_tokens_held(real_model):
+    from sparsekv.cache import cache_memory
+
+    model, _ = real_model
+    config = SparseConfig(method="dense")
+    cache = SparseCache.for_model(model, config)
+    ids = torch.arange(100, 400)[None]
+    with torch.inference_mode(), sparsekv.enabled(model, config):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # 301 tokens: the buffers double
+    cfg = model.config
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
+    assert cache_memory(cache, capacity=False)["bytes_total"] == 301 * per_token
+    assert cache_memory(cache)["bytes_total"] == 600 * per_token
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

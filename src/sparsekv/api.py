@@ -11,7 +11,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from sparsekv.attention import ATTENTION_NAME, RUNTIME_ATTR, SparseRuntime, register
-from sparsekv.cache import SparseCache, layer_infos
+from sparsekv.cache import SparseCache, cache_memory, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.registry import get_method_class
 
@@ -112,6 +112,9 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     new_tokens: int
+    #: bytes the K/V cache held at the end (`cache_memory(capacity=False)`: compressed layers by component, the
+    #: others the K/V of their tokens)
+    cache_bytes: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -131,6 +134,7 @@ class GenerationResult:
             "decode_seconds": self.decode_seconds,
             "new_tokens": self.new_tokens,
             "tokens_per_second": self.tokens_per_second,
+            "cache_bytes": self.cache_bytes,
         }
 
 
@@ -198,6 +202,7 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
         prefill_seconds=prefill_end - start,
         decode_seconds=end - prefill_end,
         new_tokens=len(generated),
+        cache_bytes=cache_memory(cache, capacity=False)["bytes_total"],
     )
 
 

@@ -189,3 +189,69 @@ class SparseCache(Cache):
     @classmethod
     def for_model(cls, model, config: SparseConfig, initial_capacity: int = 0) -> SparseCache:
         return cls(config, layer_infos(model), initial_capacity)
+
+
+def tensor_nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def cache_memory(cache: SparseCache, capacity: bool = True) -> dict:
+    """Measured bytes held by a SparseCache, per component and per token, against a bf16 dense cache of the same
+    model and length (2 * head_dim * 2 bytes per token, kv-head and layer). Layers whose selector stores K/V
+    itself (`memory_breakdown`, e.g. self-index) report their components, buffer capacity included; the others
+    count their K/V buffers (selector metadata such as hash codes is not counted): the whole buffer, or with
+    `capacity=False` only the tokens held (the doubling growth leaves up to half of a buffer unused)."""
+    components: dict[str, int] = {}
+    tokens = 0
+    compressed_layers = dense_layers = 0
+    compressed_bytes = 0
+    kv_heads = head_dim = 0
+    batch = 1
+    for layer, info in zip(cache.layers, cache.infos):
+        kv_heads, head_dim = info.num_kv_heads, info.head_dim
+        selector = layer.selector
+        if selector is not None and hasattr(selector, "memory_breakdown"):
+            parts = selector.memory_breakdown()
+            compressed_layers += 1
+            compressed_bytes += sum(parts.values())
+            tokens = max(tokens, selector.num_tokens)
+            if selector.mu is not None:
+                batch = selector.mu.shape[0]
+        else:
+            dense_layers += 1
+            keys, values = ("_key_buffer", "_value_buffer") if capacity else ("keys", "values")
+            parts = {
+                "dense_layers_kv": tensor_nbytes(getattr(layer, keys, None))
+                + tensor_nbytes(getattr(layer, values, None))
+            }
+            tokens = max(tokens, getattr(layer, "length", 0))
+            if getattr(layer, "_key_buffer", None) is not None:
+                batch = layer._key_buffer.shape[0]
+        for name, value in parts.items():
+            components[name] = components.get(name, 0) + value
+    units = max(1, tokens * batch * kv_heads)  # token x kv-head x sequence
+    bf16_per_layer = 2 * head_dim * 2
+    total = sum(components.values())
+    layers = compressed_layers + dense_layers
+    return {
+        "tokens": tokens,
+        "batch": batch,
+        "layers": layers,
+        "compressed_layers": compressed_layers,
+        "dense_layers": dense_layers,
+        "bytes_total": total,
+        "bytes_per_token": total / max(1, tokens * batch),
+        "dense_bf16_bytes_per_token": bf16_per_layer * kv_heads * layers,
+        "ratio_vs_bf16": total / max(1, units * bf16_per_layer * layers),
+        "compressed_layers_ratio_vs_bf16": (
+            compressed_bytes / max(1, units * bf16_per_layer * compressed_layers)
+            if compressed_layers
+            else None
+        ),
+        "components": components,
+        "components_bytes_per_token_per_kv_head_per_layer": {
+            name: value / max(1, units * (compressed_layers if name != "dense_layers_kv" else dense_layers))
+            for name, value in components.items()
+            if value
+        },
+    }

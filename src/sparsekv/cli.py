@@ -194,7 +194,7 @@ def format_stats(result) -> str:
 @app.command()
 def demo(
     model: ModelOpt = "default",
-    method: MethodOpt = "oracle-topk",
+    method: MethodOpt = "self-index",
     budget: BudgetOpt = None,
     top_p: TopPOpt = None,
     context: Annotated[int, typer.Option(help="haystack tokens around the needle")] = 1000,
@@ -215,7 +215,7 @@ def demo(
     for config in (SparseConfig(method="dense"), sparse_config):
         with console.status(f"generating with {config.method}..."):
             results[config.method] = sparsekv.generate(loaded, tokenizer, prompt, config, max_new_tokens)
-    table = Table("method", "answer", "tokens attended / step", "prefill s", "decode tok/s")
+    table = Table("method", "answer", "tokens attended / step", "KV cache", "prefill s", "decode tok/s")
     for name, result in results.items():
         attended = (
             "all"
@@ -226,6 +226,7 @@ def demo(
             name,
             result.texts[0].strip(),
             attended,
+            f"{result.cache_bytes / 2**20:.1f} MiB",
             f"{result.prefill_seconds:.2f}",
             f"{result.tokens_per_second:.1f}",
         )

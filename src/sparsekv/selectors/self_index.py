@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn.functional as F
 
+from sparsekv.cache import cache_memory, tensor_nbytes
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
@@ -491,10 +492,6 @@ class _Buffers:
 
     def nbytes(self) -> dict[str, int]:
         return {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1095,14 +1092,14 @@ class SelfIndexSelector(TokenSelector):
             "v_quant": store.get("v", 0),
             "v_scale_zero": store.get("v_scale", 0) + store.get("v_zero", 0),
             "kv_full": store.get("k_full", 0) + store.get("v_full", 0),
-            "sinks_fp": _nbytes(self.sink_keys) + _nbytes(self.sink_values),
-            "sink_positions": _nbytes(self.sink_positions) + _nbytes(self.sink_rank),
+            "sinks_fp": tensor_nbytes(self.sink_keys) + tensor_nbytes(self.sink_values),
+            "sink_positions": tensor_nbytes(self.sink_positions) + tensor_nbytes(self.sink_rank),
             "residual_fp": sum(self._tail.nbytes().values()),
-            "codebook": _nbytes(self.centroids),
-            "mu_alpha": _nbytes(self.mu) + _nbytes(self.alpha),
+            "codebook": tensor_nbytes(self.centroids),
+            "mu_alpha": tensor_nbytes(self.mu) + tensor_nbytes(self.alpha),
             # v_rotate / k_rotate: the layer's d signs (one tensor for both); the [d, d] base (rotation_base) is
             # one constant shared by every layer
-            "rotation": _nbytes(self.v_signs if self.v_signs is not None else self.k_signs),
+            "rotation": tensor_nbytes(self.v_signs if self.v_signs is not None else self.k_signs),
         }
         return out
 
@@ -1114,64 +1111,6 @@ class SelfIndexSelector(TokenSelector):
 # ----------------------------------------------------------------------------------------------------------------
 # memory report
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def cache_memory(cache) -> dict:
-    """Measured bytes held by a SparseCache, per component and per token, against a bf16 dense cache of the same
-    model and length (2 * head_dim * 2 bytes per token, kv-head and layer)."""
-    components: dict[str, int] = {}
-    tokens = 0
-    compressed_layers = dense_layers = 0
-    compressed_bytes = 0
-    kv_heads = head_dim = 0
-    batch = 1
-    for layer, info in zip(cache.layers, cache.infos):
-        kv_heads, head_dim = info.num_kv_heads, info.head_dim
-        selector = layer.selector
-        if selector is not None and hasattr(selector, "memory_breakdown"):
-            parts = selector.memory_breakdown()
-            compressed_layers += 1
-            compressed_bytes += sum(parts.values())
-            tokens = max(tokens, selector.num_tokens)
-            if selector.mu is not None:
-                batch = selector.mu.shape[0]
-        else:
-            dense_layers += 1
-            parts = {
-                "dense_layers_kv": _nbytes(getattr(layer, "_key_buffer", None))
-                + _nbytes(getattr(layer, "_value_buffer", None))
-            }
-            tokens = max(tokens, getattr(layer, "length", 0))
-            if getattr(layer, "_key_buffer", None) is not None:
-                batch = layer._key_buffer.shape[0]
-        for name, value in parts.items():
-            components[name] = components.get(name, 0) + value
-    units = max(1, tokens * batch * kv_heads)  # token x kv-head x sequence
-    bf16_per_layer = 2 * head_dim * 2
-    total = sum(components.values())
-    layers = compressed_layers + dense_layers
-    return {
-        "tokens": tokens,
-        "batch": batch,
-        "layers": layers,
-        "compressed_layers": compressed_layers,
-        "dense_layers": dense_layers,
-        "bytes_total": total,
-        "bytes_per_token": total / max(1, tokens * batch),
-        "dense_bf16_bytes_per_token": bf16_per_layer * kv_heads * layers,
-        "ratio_vs_bf16": total / max(1, units * bf16_per_layer * layers),
-        "compressed_layers_ratio_vs_bf16": (
-            compressed_bytes / max(1, units * bf16_per_layer * compressed_layers)
-            if compressed_layers
-            else None
-        ),
-        "components": components,
-        "components_bytes_per_token_per_kv_head_per_layer": {
-            name: value / max(1, units * (compressed_layers if name != "dense_layers_kv" else dense_layers))
-            for name, value in components.items()
-            if value
-        },
-    }
 
 
 def measure_cache_memory(
