@@ -199,8 +199,9 @@ def cache_memory(cache: SparseCache, capacity: bool = True) -> dict:
     """Measured bytes held by a SparseCache, per component and per token, against a bf16 dense cache of the same
     model and length (2 * head_dim * 2 bytes per token, kv-head and layer). Layers whose selector stores K/V
     itself (`memory_breakdown`, e.g. self-index) report their components, buffer capacity included; the others
-    count their K/V buffers (selector metadata such as hash codes is not counted): the whole buffer, or with
-    `capacity=False` only the tokens held (the doubling growth leaves up to half of a buffer unused)."""
+    (dense layers, and the sparse layers of methods that keep plain K/V: counted as "dense_layers_kv") count
+    their K/V buffers, selector metadata such as hash codes aside: the whole buffer, or with `capacity=False`
+    only the tokens held (the doubling growth leaves up to half of a buffer unused)."""
     components: dict[str, int] = {}
     tokens = 0
     compressed_layers = dense_layers = 0
