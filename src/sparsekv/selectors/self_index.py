@@ -2,6 +2,11 @@
 
 Per layer and kv-head, at the prefill:
 
+* by default (`k_rotate`) keys are rotated first, K R with the layer's fixed orthogonal R (random +-1 signs x the
+  normalised Hadamard matrix, the same R as V's below), and every query is rotated by R before scoring and
+  attention: q . k is unchanged, but everything below sees keys whose energy is spread over all channels rather
+  than piled in a few RoPE channels (the LUT alone then keeps 86% of the attention mass instead of 66%; decode
+  perplexity at 10% 1.028x dense instead of 1.046x over 9 windows x 3 seeds, with `v_clip`);
 * keys are centred per channel (mu = mean over the prompt) so that every sign bit carries ~1 bit of entropy;
 * each key is split into groups of 4 channels; the sign pattern of a group is a 4-bit code (first channel of the
   group = most significant bit, +1 -> 1, -1/0 -> 0);
@@ -21,8 +26,9 @@ Per layer and kv-head, at the prefill:
   paper uses 2) bits, scale only (levels q x scale, q = 0..2^k_bits - 1, zero fixed at 0: magnitudes are >= 0).
   By default (`k_axis="auto"` -> "channel", KIVI-style) one float16 scale per channel per block of `k_group`
   (32) tokens, so an outlier channel no longer coarsens the other channels of its token (`k_axis="token"`: one
-  scale per 32 channels of one token, the layout before). The values V are quantized token-wise to `kv_bits` (2) bits with a
-  float16 scale and zero per 64 elements (the paper: 32). Same bytes per token as the paper's layout.
+  scale per 32 channels of one token, the layout before). The values V are quantized token-wise to `kv_bits` (2)
+  bits with a float16 scale and zero per 64 elements (the paper: 32), the range of each group clipped to the
+  least squared error (`v_clip`). Same bytes per token as the paper's layout.
   By default (`v_rotate`) V is stored rotated, V R with a fixed orthogonal R per layer (random +-1 signs x the
   normalised Hadamard matrix), so that one outlier channel no longer sets the 2-bit range of its whole group; the
   16-bit copies (sinks, residual block) are rotated too, and `attend` un-rotates the attention output (exact:
@@ -54,8 +60,9 @@ Memory: `SelfIndexSelector.memory_breakdown()` and `cache_memory(cache)` measure
 held (buffer capacity included), and `sparsekv cache-memory` prints them per token against a bf16 dense cache.
 
 GQA "group" scoring goes through `kernels.lut_score` (Triton on CUDA); `lut_scores` below is the torch reference
-used for gqa="head" and float64. The low-bit (de)quantization and the gather-dequantize-attend step are torch
-references here (no kernel yet); `kernels.bits.pack_sign_bits` packs the sign bits.
+used for gqa="head" and float64. On CUDA the re-rank and the dequantizing attention run on the kernels
+(`_self_index_device`, `kernels.compressed_kv`) over the stored bytes; the torch code here is their reference.
+`kernels.bits.pack_sign_bits` packs the sign bits.
 """
 
 from __future__ import annotations
