@@ -13,7 +13,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._sparse_attention_triton import _combine_kernel
+from sparsekv.kernels._sparse_attention_triton import (
+    _combine_kernel,
+    online_softmax_block,
+    store_split_partial,
+)
 from sparsekv.kernels._triton import interpreting, next_pow2
 
 # attention launch. precision "auto": 3xTF32 dots for float32 queries (float32 accuracy on tensor cores; plain IEEE
@@ -343,19 +347,10 @@ def _attention_kernel(
         values = _override(values, m2, c, sink, tail, sink_v, s_sk, tail_v, s_tk, HAS_SINKS, HAS_TAIL)
         sc = tl.dot(query, tl.trans(keys), input_precision=PRECISION) * qk_scale  # [GP, BLOCK], log2 domain
         sc = tl.where(ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        corr = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * corr + tl.sum(p, axis=1)
+        m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
         acc = acc * corr[:, None] + tl.dot(p, values, input_precision=PRECISION)
-        m_i = m_new
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     row = (b64 * HQ + h * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
-    tl.store(lse_ptr + row * num_splits + sp, lse, mask=hmask)
-    tl.store(o_ptr + (row * num_splits + sp)[:, None] * D + c[None, :], out, mask=hmask[:, None] & cmask[None, :])
+    store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, c, D, hmask, cmask)
 
 
 def _precision(dtype: torch.dtype) -> str:

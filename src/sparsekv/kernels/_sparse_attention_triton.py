@@ -19,6 +19,30 @@ TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
 
 
 @triton.jit
+def online_softmax_block(m_i, l_i, sc):
+    """One block of log2-domain scores sc [G, BLOCK] (-inf = not attended) into the running max m_i and sum l_i
+    [G]: returns (new max, the factor that rescales the old accumulator, the block's weights p, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing attended yet stay at 0
+    corr = tl.exp2(m_i - m_safe)
+    p = tl.exp2(sc - m_safe[:, None])
+    return m_new, corr, p, l_i * corr + tl.sum(p, axis=1)
+
+
+@triton.jit
+def store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, cols, D: tl.constexpr, row_mask,
+                        col_mask):  # fmt: skip
+    """One split's partial for `_combine_kernel`: the normalised output rows [G, DP] and their log2-sum-exp [G]
+    (-inf for a split that attended nothing)."""
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + row * num_splits + sp, lse, mask=row_mask)
+    tl.store(o_ptr + (row * num_splits + sp)[:, None] * D + cols[None, :], out,
+             mask=row_mask[:, None] & col_mask[None, :])  # fmt: skip
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr,
     k_ptr,
@@ -92,22 +116,10 @@ def _partial_kernel(
         vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         sc = tl.dot(q, tl.trans(kt)) * qk_scale  # [GP, BLOCK], log2 domain
         sc = tl.where(ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(sc - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
-        m_i = m_new
-    has = l_i > 0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-    hq = s * G + heads
-    row = (b.to(tl.int64) * HQ + hq) * Q + qi  # [GP] rows of the (B, Hq, Q) output
-    tl.store(lse_ptr + row * num_splits + sp, lse, mask=hmask)
-    tl.store(
-        o_ptr + (row * num_splits + sp)[:, None] * D + d[None, :], out, mask=hmask[:, None] & dmask[None, :]
-    )
+        m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
+        acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt)
+    row = (b.to(tl.int64) * HQ + s * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
+    store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, d, D, hmask, dmask)
 
 
 @triton.jit
