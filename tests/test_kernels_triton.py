@@ -71,6 +71,43 @@ def test_hamming_triton(impl, bits, hq, hkv, n):
 
 
 @here
+@pytest.mark.parametrize("bits", [128, 70])
+@pytest.mark.parametrize("g", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+def test_hamming_group_sizes_triton(impl, g, bits):
+    """Every GQA group size: 1-4 heads combine in one adder group, 5-8 in two, 9 takes the per-head path."""
+    gen = torch.Generator().manual_seed(10 * g + bits)
+    w = (bits + 31) // 32
+    qc, kc = _codes((2, 2 * g, 1, w), gen), _codes((2, 2, 300, w), gen)
+    out = impl["_hamming_triton"].hamming_scores_triton(qc, kc, bits=bits)
+    assert torch.equal(out.cpu(), hamming_scores_reference(qc.cpu(), kc.cpu(), bits=bits))
+
+
+@here
+@pytest.mark.parametrize(
+    "hist,nibbles,compact",
+    [("packed", False, "scan"), ("packed_all", True, "scan_nobranch"), ("packed_all", False, "atomic"),
+     ("atomic", True, "scan")],
+)  # fmt: skip
+def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, hist, nibbles, compact):
+    """The benchmarked alternatives (histogram counters, compaction slots) select the same set as the default."""
+    from sparsekv.kernels.hamming import hamming_topk_reference
+
+    tk = impl["_topk_triton"]
+    monkeypatch.setitem(tk.HIST_MODE, "mode", hist)
+    monkeypatch.setitem(tk.PACKED_NIBBLES, "on", nibbles)
+    monkeypatch.setitem(tk.COMPACT_MODE, "mode", compact)
+    gen = torch.Generator().manual_seed(7)
+    qc, kc = _codes((2, 8, 1, 4), gen), _codes((2, 2, 2500, 4), gen)
+    kc[:, :, 1000:1400] = kc[:, :, :1]  # ties at the threshold
+    ref = hamming_topk_reference(qc.cpu(), kc.cpu(), 300, bits=128, recent_first=True, sink=2, local=3)
+    for hint in (None, torch.zeros(4, dtype=torch.int32, device=DEV)):
+        got = impl["_hamming_triton"].hamming_topk_triton(
+            qc, kc, 300, bits=128, recent_first=True, sink=2, local=3, threshold_hint=hint
+        )
+        assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+
+
+@here
 @pytest.mark.parametrize("k", [1, 37, 500])
 def test_hamming_topk_triton(impl, k):
     gen = torch.Generator().manual_seed(k)

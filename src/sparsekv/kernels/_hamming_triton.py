@@ -21,7 +21,7 @@ from sparsekv.kernels._topk_triton import (
     packed_add,
     packed_counts,
     radix_topk,
-    use_packed,
+    packed_bits,
     window_base,
     window_digit,
 )
@@ -29,7 +29,59 @@ from sparsekv.kernels._triton import next_pow2, pdl_launch
 
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
 # launch parameters of the scorer (the kernel benchmark sweeps them)
-TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 16}
+# group_adders: combine a GQA group's query heads before the popcounts (group_words), for groups of up to 8
+TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "group_adders": True,
+        "prefetch": True}
+
+
+
+# Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
+# logic-op rate: it bounded the scorer. Per bit, the group's sum only counts how many heads differ from the key,
+# so heads combine first, with one full adder over three heads (sum = a ^ b ^ c, carry = maj(a, b, c), both
+# commuting with "^ k") and the identity popc(x) + popc(y) = popc(x ^ y) + 2 popc(x & y). Four heads then cost
+# two POPC per word instead of four, plus one per-query constant.
+@triton.jit
+def group_words(q_ptr, sqh, w, wmask, word_mask, FIRST: tl.constexpr, HEADS: tl.constexpr, USE_POPC: tl.constexpr):
+    """(u, v, m, c) for query heads FIRST..FIRST+HEADS-1 (HEADS <= 4): the words group_terms compares keys
+    with, and the key-independent part c of the group's summed popcount."""
+    q0 = tl.load(q_ptr + FIRST * sqh + w, mask=wmask, other=0) & word_mask
+    zero = tl.zeros_like(q0)
+    if HEADS == 1:
+        return q0, zero, zero, 0
+    q1 = tl.load(q_ptr + (FIRST + 1) * sqh + w, mask=wmask, other=0) & word_mask
+    if HEADS == 2:
+        return q0, q1, zero, tl.sum(popcount_tl(q0 ^ q1, USE_POPC), axis=0)
+    q2 = tl.load(q_ptr + (FIRST + 2) * sqh + w, mask=wmask, other=0) & word_mask
+    a = q0 ^ q1 ^ q2
+    m = (q0 & q1) | (q2 & (q0 | q1))
+    if HEADS == 3:
+        return a, zero, m, 0
+    q3 = tl.load(q_ptr + (FIRST + 3) * sqh + w, mask=wmask, other=0) & word_mask
+    return a, q3, m, tl.sum(popcount_tl(a ^ q3, USE_POPC), axis=0)
+
+
+@triton.jit
+def group_terms(kc, u, v, m, HEADS: tl.constexpr, USE_POPC: tl.constexpr):
+    """Per key and word: sum over the group's heads of popcount(q_h ^ k), less group_words' constant."""
+    if HEADS == 1:
+        return popcount_tl(kc ^ u[None, :], USE_POPC)
+    if HEADS == 2:
+        return 2 * popcount_tl((kc ^ u[None, :]) & (kc ^ v[None, :]), USE_POPC)
+    if HEADS == 3:
+        return popcount_tl(kc ^ u[None, :], USE_POPC) + 2 * popcount_tl(kc ^ m[None, :], USE_POPC)
+    return 2 * (popcount_tl((kc ^ u[None, :]) & (kc ^ v[None, :]), USE_POPC) + popcount_tl(kc ^ m[None, :], USE_POPC))
+
+
+@triton.jit
+def _load_codes(k_base, offs, nmask, N, w, wmask, W: tl.constexpr, skn, REVERSE: tl.constexpr, VEC: tl.constexpr):
+    """[BLOCK, WP] code words of the keys at score positions `offs` (position N - 1 - offs with REVERSE)."""
+    tok = (N - 1 - offs) if REVERSE else offs
+    if VEC:
+        # W (constexpr) between tokens, unit stride between a token's words: one 16-byte load per token
+        kptrs = k_base + tok[:, None].to(tl.int64) * W + w[None, :]
+    else:
+        kptrs = k_base + tok[:, None].to(tl.int64) * skn + w[None, :]
+    return tl.load(kptrs, mask=nmask[:, None] & wmask[None, :], other=0)
 
 
 @triton.jit
@@ -74,6 +126,9 @@ def _hamming_kernel(
     WINDOW: tl.constexpr = False,
     HSLOT: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
+    HEADS0: tl.constexpr = 0,
+    HEADS1: tl.constexpr = 0,
+    PREFETCH: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -88,33 +143,50 @@ def _hamming_kernel(
     k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
     q_base = q_ptr + b.to(tl.int64) * sqb + (kvh * G).to(tl.int64) * sqh + qi * sqq
     o_base = out_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + qi.to(tl.int64) * soq
+    if HEADS0 > 0:  # groups of up to 8 heads: combined head words, loaded once (see group_words)
+        u0, v0, m0, const = group_words(q_base, sqh, w, wmask, word_mask, 0, HEADS0, USE_POPC)
+        if HEADS1 > 0:
+            u1, v1, m1, c1 = group_words(q_base, sqh, w, wmask, word_mask, HEADS0, HEADS1, USE_POPC)
+            const += c1
     if HIST:
         h = tl.zeros([1 << NBITS], dtype=tl.int32)
         if PACKED:
-            acc = tl.zeros([BLOCK, 8], dtype=tl.int32)
+            acc = tl.zeros([BLOCK, PACKED], dtype=tl.int32)
         if WINDOW:  # width-1 bins around the row's previous threshold (see _topk_triton.window_base)
             base = window_base(tl.load(hint_ptr + r), forced_score, NBITS)
             tl.store(base_ptr + r, base, mask=c == 0)
+    first = c * blocks_per_chunk * BLOCK + tl.arange(0, BLOCK)
+    if PREFETCH:
+        nxt = _load_codes(k_base, first, first < N, N, w, wmask, W, skn, REVERSE, VEC)
     for i in range(blocks_per_chunk):
-        offs = (c * blocks_per_chunk + i) * BLOCK + tl.arange(0, BLOCK)
+        offs = first + i * BLOCK
         nmask = offs < N
         # REVERSE: scores are stored newest key first, so that the selection's ties-to-the-lowest-position
         # rule keeps the most recent keys
         tok = (N - 1 - offs) if REVERSE else offs
-        if VEC:
-            # W (constexpr) between tokens, unit stride between a token's words: one 16-byte load per token
-            kptrs = k_base + tok[:, None].to(tl.int64) * W + w[None, :]
+        if PREFETCH:  # the next tile's codes are in flight while this one is scored
+            kc = nxt
+            nxt_offs = offs + BLOCK
+            nxt_mask = (nxt_offs < N) & (nxt_offs < (c + 1) * blocks_per_chunk * BLOCK)  # within this chunk
+            nxt = _load_codes(k_base, nxt_offs, nxt_mask, N, w, wmask, W, skn, REVERSE, VEC)
         else:
-            kptrs = k_base + tok[:, None].to(tl.int64) * skn + w[None, :]
-        kc = tl.load(kptrs, mask=nmask[:, None] & wmask[None, :], other=0)
-        diff = tl.zeros([BLOCK, WP], dtype=tl.int32)
-        for hh in tl.static_range(G):
-            qc = tl.load(q_base + hh * sqh + w, mask=wmask, other=0)
-            x = kc ^ qc[None, :]
+            kc = _load_codes(k_base, offs, nmask, N, w, wmask, W, skn, REVERSE, VEC)
+        if HEADS0 > 0:
             if not FULL:
-                x = x & word_mask[None, :]
-            diff += popcount_tl(x, USE_POPC)
-        score = G * bits - tl.sum(diff, axis=1)
+                kc = kc & word_mask[None, :]
+            diff = group_terms(kc, u0, v0, m0, HEADS0, USE_POPC)
+            if HEADS1 > 0:
+                diff += group_terms(kc, u1, v1, m1, HEADS1, USE_POPC)
+            score = G * bits - const - tl.sum(diff, axis=1)
+        else:
+            diff = tl.zeros([BLOCK, WP], dtype=tl.int32)
+            for hh in tl.static_range(G):
+                qc = tl.load(q_base + hh * sqh + w, mask=wmask, other=0)
+                x = kc ^ qc[None, :]
+                if not FULL:
+                    x = x & word_mask[None, :]
+                diff += popcount_tl(x, USE_POPC)
+            score = G * bits - tl.sum(diff, axis=1)
         # sink / local keys always make the cut: they score above every real key
         score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
         tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
@@ -127,12 +199,12 @@ def _hamming_kernel(
                 key = score.to(tl.uint32, bitcast=True)
             if PACKED:
                 digit, ok = level_digit(key, nmask, 0, shift, NBITS, True)
-                acc = packed_add(acc, digit, ok)
+                acc = packed_add(acc, digit, ok, PACKED)
             else:
                 h += digit_histogram(key, nmask, 0, shift, NBITS, True, ONEHOT)
     if HIST:
         if PACKED:
-            h = packed_counts(acc)
+            h = packed_counts(acc, PACKED)
         row = HSLOT * tl.num_programs(1) + r.to(tl.int64)
         tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
@@ -197,9 +269,12 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
         REVERSE=reverse,
-        PACKED=radix is not None and use_packed(nbits, bpc, scorer=True),
+        PACKED=packed_bits(nbits, bpc, scorer=True) if radix is not None else 0,
         WINDOW=window,
         HSLOT=levels if window else 0,
+        HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
+        HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
+        PREFETCH=TUNE["prefetch"],
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
     )

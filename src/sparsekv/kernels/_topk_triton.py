@@ -102,12 +102,15 @@ def window_threshold(hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS
 #   every bin and reduce the [BLOCK, bins] tile each time.
 HIST_MODE = {"mode": "packed"}
 PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles per program
+PACKED_NIBBLES = {"on": True}  # 4-bit counters where a program has at most 15 tiles
 # software prefetch of the next tile in the level and compaction loops (scripts/gpu_probe.py sweeps it)
 PREFETCH = {"on": True}
 # compaction slots: "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one
 # counter per row; a block scan only in the chunk that straddles the equal-key quota; measured 3x slower) or
 # "scan_nobranch" (scan every tile, no data-dependent branch in the loop)
 COMPACT_MODE = {"mode": "scan"}
+# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
+SELECT_TUNE = {"block": 1024, "num_warps": 4}
 
 
 @triton.jit
@@ -148,16 +151,20 @@ def level_digit(key, nmask, prefix, SHIFT: tl.constexpr, NBITS: tl.constexpr, FI
 
 
 @triton.jit
-def packed_add(acc, digit, ok):
-    """acc [BLOCK, 8] int32: byte j of column r counts this lane's keys with digit 4r + j (digits < 32)."""
-    byte = tl.where(ok, 1 << ((digit & 3) * 8), 0)
-    return acc + tl.where((digit >> 2)[:, None] == tl.arange(0, 8)[None, :], byte[:, None], 0)
+def packed_add(acc, digit, ok, PACKED: tl.constexpr):
+    """acc [BLOCK, PACKED] int32 of PACKED-bit counters (8 or 4): counter j of column r counts this lane's keys
+    with digit (32 // PACKED) * r + j (digits < 32). 32 bins / (32 / PACKED counters per int32) = PACKED columns."""
+    PER: tl.constexpr = 32 // PACKED
+    one = tl.where(ok, 1 << ((digit & (PER - 1)) * PACKED), 0)
+    col = digit // PER
+    return acc + tl.where(col[:, None] == tl.arange(0, PACKED)[None, :], one[:, None], 0)
 
 
 @triton.jit
-def packed_counts(acc):
-    """The 32-bin histogram held by packed_add's byte counters."""
-    unpacked = (acc[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 255
+def packed_counts(acc, PACKED: tl.constexpr):
+    """The 32-bin histogram held by packed_add's counters."""
+    PER: tl.constexpr = 32 // PACKED
+    unpacked = (acc[:, :, None] >> (tl.arange(0, PER) * PACKED)[None, None, :]) & ((1 << PACKED) - 1)
     return tl.reshape(tl.sum(unpacked, axis=0), [32])
 
 
@@ -179,7 +186,7 @@ def _hist_kernel(
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
     ONEHOT: tl.constexpr,
-    PACKED: tl.constexpr = False,
+    PACKED: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
     base_ptr=None,
@@ -213,7 +220,7 @@ def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, b
     SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
     if PACKED:
-        acc = tl.zeros([BLOCK, 8], dtype=tl.int32)
+        acc = tl.zeros([BLOCK, PACKED], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     if PREFETCH:
         first = c * blocks_per_chunk + tl.arange(0, BLOCK)
@@ -232,11 +239,11 @@ def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, b
             s = tl.load(row_ptr + offs, mask=nmask, other=0)
         if PACKED:
             digit, ok = level_digit(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
-            acc = packed_add(acc, digit, ok)
+            acc = packed_add(acc, digit, ok, PACKED)
         else:
             h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
     if PACKED:
-        h = packed_counts(acc)
+        h = packed_counts(acc, PACKED)
     out = hist_ptr + ((LEVEL * num_rows + r) * num_chunks + c) * (1 << NBITS)
     tl.store(out + tl.arange(0, 1 << NBITS), h)
 
@@ -244,9 +251,11 @@ def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, b
 @triton.jit
 def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_gt, need_eq):
     cs = tl.cumsum(packed, axis=0)
-    tl.store(out_row + base_gt + (cs & 0xFFFF) - 1, pos, mask=m_gt)
     rank = base_eq + (cs >> 16) - 1
-    tl.store(out_row + cnt_gt + rank, pos, mask=m_eq & (rank < need_eq))
+    # one slot per key (-1: not selected) and one store: the scatter store runs in its own register layout, and
+    # each value it takes from the scan's layout is a shared-memory round trip with barriers
+    slot = tl.where(m_gt, base_gt + (cs & 0xFFFF) - 1, tl.where(m_eq & (rank < need_eq), cnt_gt + rank, -1))
+    tl.store(out_row + slot, pos, mask=slot >= 0)
     return base_gt + (total & 0xFFFF), base_eq + (total >> 16)
 
 
@@ -379,14 +388,19 @@ def int_levels(num_values: int) -> tuple[int, int]:
 
 
 def _sblock(chunk_len: int) -> int:
-    # measured on the H200: whole-chunk tiles (4096-8192 keys, 8 warps) made the compaction 1.5x slower than
-    # a loop over 512-key tiles (bigger scans, fewer resident programs), so tiles stay small
-    return min(512, triton.next_power_of_2(chunk_len))
+    # measured on the H200 (docs/kernels-notes.md v6, v22): whole-chunk tiles of 4096-8192 keys made the
+    # compaction 1.5x slower than a loop over 512-key tiles; 1024-key tiles with 4 warps are the fastest since
+    # the compaction stores through one slot per key
+    return min(SELECT_TUNE["block"], triton.next_power_of_2(chunk_len))
 
 
-def use_packed(nbits: int, tiles_per_program: int, scorer: bool = False) -> bool:
+def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False) -> int:
+    """Counter width of the packed histogram (0: tl.histogram). One lane sees one key per tile, so 4-bit
+    counters hold up to 15 tiles a program: half the columns and compares of byte counters."""
     modes = ("packed", "packed_all") if scorer else ("packed_all",)
-    return HIST_MODE["mode"] in modes and nbits == 5 and tiles_per_program <= PACKED_MAX_TILES
+    if HIST_MODE["mode"] not in modes or nbits != 5 or tiles_per_program > PACKED_MAX_TILES:
+        return 0
+    return 4 if tiles_per_program <= 15 and PACKED_NIBBLES["on"] else 8
 
 
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
@@ -406,8 +420,9 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             src, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
-            PACKED=use_packed(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"],
-            WINDOW=window is not None, base_ptr=base, top=top, num_warps=4, **pdl_launch(src.device),
+            PACKED=packed_bits(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"],
+            WINDOW=window is not None, base_ptr=base, top=top, num_warps=SELECT_TUNE["num_warps"],
+            **pdl_launch(src.device),
         )  # fmt: skip
     return hist
 
@@ -429,7 +444,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
         ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, PREFETCH=PREFETCH["on"],
         WINDOW=window is not None, base_ptr=window[0] if window else None, hint_ptr=hint,
-        top=window[1] if window else 0, num_warps=4, **pdl_launch(src.device),
+        top=window[1] if window else 0, num_warps=SELECT_TUNE["num_warps"], **pdl_launch(src.device),
     )  # fmt: skip
     return out
 
