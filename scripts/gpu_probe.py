@@ -25,16 +25,16 @@ w = [torch.randn(HKV, D, D, device=dev, generator=gen) * D**-0.5 for _ in range(
 b1 = torch.zeros(HKV, D, device=dev)
 
 
-def hash_launch(x, ws, bias, prec, bm, warps, key_bias):
+def hash_launch(x, ws, bias, prec, bm, warps, key_bias, cols=128):
     """One `_sign_hash_kernel` launch over x [B, H, M, D] with explicit precision / rows per program / warps (the
     wrapper picks these itself; the probe sweeps them)."""
     heads, m = x.shape[1], x.shape[2]
     out = torch.empty(B, heads, m, 4, dtype=torch.int32, device=dev)
     rows = heads // HKV * m  # rows of one kv head's group
-    sh._sign_hash_kernel[(triton.cdiv(rows, bm), B * HKV)](
+    sh._sign_hash_kernel[(triton.cdiv(rows, bm), B * HKV, 128 // cols)](
         x, ws[0], ws[1], bias, ws[2], bias, out, rows, HKV, heads * m * D, rows * D, D,
         ws[0].stride(0), ws[0].stride(1), ws[1].stride(0), ws[1].stride(1),
-        D=D, HID=D, BITS=128, MLP=True, BIAS=True, RESID=True, BIAS2=key_bias, PREC=prec, BM=bm,
+        D=D, HID=D, BITS=128, MLP=True, BIAS=True, RESID=True, BIAS2=key_bias, PREC=prec, BM=bm, COLS=cols,
         num_warps=warps,
     )  # fmt: skip
     return out
@@ -48,16 +48,17 @@ if "hash" in SECTIONS:
         ("bf16", torch.bfloat16, "tf32"),
     ):
         ws = [t.to(dt) for t in w]
-        us = {
-            warps: graph_us(lambda i, ws=ws, dt=dt, prec=prec, warps=warps:
-                            hash_launch(q, ws, b1.to(dt), prec, 16, warps, False), 4)
-            for warps in (4, 8)
-        }  # fmt: skip
-        print(
-            f"sign_hash q [{B},{HQ},1,{D}] {name}: "
-            + ", ".join(f"{w_} warps {u:.1f} us" for w_, u in us.items()),
-            flush=True,
-        )
+        for cols in (128, 64, 32):
+            us = {
+                warps: graph_us(lambda i, ws=ws, dt=dt, prec=prec, warps=warps, cols=cols:
+                                hash_launch(q, ws, b1.to(dt), prec, 16, warps, False, cols), 4)
+                for warps in (4, 8)
+            }  # fmt: skip
+            print(
+                f"sign_hash q [{B},{HQ},1,{D}] {name}, {cols} bits per program: "
+                + ", ".join(f"{w_} warps {u:.1f} us" for w_, u in us.items()),
+                flush=True,
+            )
 
     # prompt keys: one layer's 128K x B8 keys through the same kernel (rows per program = BM)
     keys = torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16, generator=gen)

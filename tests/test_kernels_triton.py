@@ -227,11 +227,15 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
 
 
 @here
-@pytest.mark.parametrize("mlp,resid", [(True, False), (False, False), (True, True), (False, True)])
-def test_sign_hash_triton(impl, mlp, resid):
+@pytest.mark.parametrize(
+    "mlp,resid,cols", [(True, False, 128), (False, False, 128), (True, True, 128), (False, True, 128), (True, True, 32)]
+)
+def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols):
+    """cols: output bits per program for decode queries (the MLP's hidden layer is recomputed in each)."""
     from sparsekv.kernels.sign_hash import sign_hash_reference
 
     mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
+    monkeypatch.setitem(mod.TUNE, "cols", cols)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 6, 3, 32, generator=gen)
     w1 = torch.randn(2, 32, 64 if mlp else 128, generator=gen)

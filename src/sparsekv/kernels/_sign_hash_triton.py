@@ -12,6 +12,8 @@ import triton.language as tl
 from sparsekv.kernels._tl_utils import pdl_enter
 from sparsekv.kernels._triton import pdl_launch
 
+TUNE = {"cols": 64}  # output bits per program for decode queries (scripts/gpu_probe.py sweeps it)
+
 
 @triton.jit
 def _sign_hash_kernel(
@@ -41,10 +43,12 @@ def _sign_hash_kernel(
     PREC: tl.constexpr,
     BM: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    COLS: tl.constexpr = 32,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
     r = tl.program_id(1)
+    cb = tl.program_id(2)  # block of COLS output bits (a multiple of 32): short chains for decode queries
     kvh = r % HKV
     b = r // HKV
     rows = t * BM + tl.arange(0, BM)  # rows of this kv head's group: (head in group) * Q + query
@@ -59,7 +63,7 @@ def _sign_hash_kernel(
     w1 = tl.load(w1_ptr + kvh.to(tl.int64) * sw1h + d[:, None] * sw1d + hid[None, :])
     x = x.to(w1.dtype)
     y = tl.dot(x, w1, input_precision=PREC)  # [BM, HID] fp32
-    kb = tl.arange(0, BITS)
+    kb = cb * COLS + tl.arange(0, COLS)
     if MLP:
         if BIAS:
             y += tl.load(b1_ptr + kvh * HID + hid)[None, :].to(tl.float32)
@@ -72,10 +76,11 @@ def _sign_hash_kernel(
     if BIAS2:
         y += tl.load(b2_ptr + kvh * BITS + kb)[None, :].to(tl.float32)
     W: tl.constexpr = BITS // 32
+    WC: tl.constexpr = COLS // 32
     bitv = (y > 0).to(tl.int32)
-    bitv = tl.reshape(bitv, [BM, W, 32])
+    bitv = tl.reshape(bitv, [BM, WC, 32])
     words = tl.sum(bitv << tl.arange(0, 32)[None, None, :], axis=2)  # bit 31 wraps to the sign: intended
-    w = tl.arange(0, W)
+    w = cb * WC + tl.arange(0, WC)
     tl.store(
         out_ptr + ((b.to(tl.int64) * HKV + kvh) * M + rows[:, None]) * W + w[None, :],
         words,
@@ -100,7 +105,11 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     # 16 rows per program for decode (a few queries); long prompts take 128 (prompt keys of one 128K x B8 layer,
     # 3xTF32 on the H200: 35 ms at 16 rows, 49 ms at 64, 24 ms at 128; torch's float32 matmuls take 51 ms)
     bm = 16 if m < 128 else 128
-    _sign_hash_kernel[(triton.cdiv(m, bm), b * hkv)](
+    # decode queries: each program computes TUNE["cols"] output bits (the MLP's hidden layer is recomputed per
+    # program), so more programs with shorter dot chains and smaller second-layer weight loads
+    split = w2 is not None and m < 128 and bits % TUNE["cols"] == 0
+    cols = TUNE["cols"] if split else bits
+    _sign_hash_kernel[(triton.cdiv(m, bm), b * hkv, bits // cols)](
         x,
         w1,
         w2c,
@@ -126,7 +135,8 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
         BIAS2=b2 is not None,
         PREC="tf32x3" if w1.dtype == torch.float32 else "tf32",
         BM=bm,
-        num_warps=8 if bits > 256 or w1.dtype == torch.float32 else 4,
+        COLS=cols,
+        num_warps=8 if cols > 256 or w1.dtype == torch.float32 else 4,
         **pdl_launch(x.device),
     )
     return out

@@ -110,7 +110,7 @@ PREFETCH = {"on": True}
 # "scan_nobranch" (scan every tile, no data-dependent branch in the loop)
 COMPACT_MODE = {"mode": "scan"}
 # tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
-SELECT_TUNE = {"block": 1024, "num_warps": 4}
+SELECT_TUNE = {"block": 512, "num_warps": 2}
 
 
 @triton.jit
