@@ -221,7 +221,9 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
     if query_codes.stride(-1) != 1:
         query_codes = query_codes.contiguous()
     rows = b * hkv * q
-    out = torch.empty(b, hkv, q, n, dtype=out_dtype, device=key_codes.device)
+    # the selection reads each row of scores in 16-byte vectors: rows padded to a multiple of 64 (n_load)
+    n_alloc = triton.cdiv(n, 64) * 64 if radix is not None else n
+    out = torch.empty(b, hkv, q, n_alloc, dtype=out_dtype, device=key_codes.device)[..., :n]
     block = (TUNE["block"] if radix is not None else TUNE["block_plain"]) if n >= 8192 else 128
     # long codes (e.g. 1024-bit LSH, 32 words) keep the [block, words] tile within ~16 registers per thread
     block = min(block, max(16, 4096 // next_pow2(w)))
@@ -372,7 +374,7 @@ def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
     scores = state.scores
     out = radix_topk(
         scores.view(-1, scores.shape[-1]), k, lo=0, levels=state.levels, nbits=state.nbits, is_float=False,
-        block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist,
+        block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist, n_load=scores.stride(-2),
         first_done=state.window is None, reverse=state.reverse, window=state.window, hint=state.hint,
     )  # fmt: skip
     return out.view(*scores.shape[:-1], k)

@@ -173,6 +173,7 @@ def _hist_kernel(
     src_ptr,
     hist_ptr,
     N,
+    n_load,
     stride_row,
     lo,
     k,
@@ -204,12 +205,12 @@ def _hist_kernel(
     else:
         needed = True
     if needed:
-        _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
+        _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
                     LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK, ONEHOT, PACKED, PREFETCH)  # fmt: skip
 
 
 @triton.jit
-def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
+def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
                 LEVEL: tl.constexpr, LEVELS: tl.constexpr, NBITS: tl.constexpr, CP: tl.constexpr,
                 IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, ONEHOT: tl.constexpr, PACKED: tl.constexpr,
                 PREFETCH: tl.constexpr):  # fmt: skip
@@ -224,7 +225,7 @@ def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, b
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     if PREFETCH:
         first = c * blocks_per_chunk + tl.arange(0, BLOCK)
-        nxt = tl.load(row_ptr + first, mask=(first < N) & (tl.arange(0, BLOCK) < blocks_per_chunk), other=0)
+        nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < blocks_per_chunk), other=0)
     # one chunk = blocks_per_chunk (runtime: chunk length in elements) consecutive keys, read BLOCK at a time
     for i in range(0, blocks_per_chunk, BLOCK):
         loc = i + tl.arange(0, BLOCK)
@@ -233,10 +234,10 @@ def _level_pass(src_ptr, hist_ptr, N, stride_row, lo, k, num_rows, num_chunks, b
         if PREFETCH:  # the next tile's load is in flight while this one is counted
             s = nxt
             nxt = tl.load(
-                row_ptr + offs + BLOCK, mask=(offs + BLOCK < N) & (loc + BLOCK < blocks_per_chunk), other=0
+                row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < blocks_per_chunk), other=0
             )
         else:
-            s = tl.load(row_ptr + offs, mask=nmask, other=0)
+            s = tl.load(row_ptr + offs, mask=(offs < n_load) & (loc < blocks_per_chunk), other=0)
         if PACKED:
             digit, ok = level_digit(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
             acc = packed_add(acc, digit, ok, PACKED)
@@ -266,6 +267,7 @@ def _compact_kernel(
     hist_ptr,
     cnt_ptr,
     N,
+    n_load,
     stride_row,
     lo,
     k,
@@ -322,7 +324,7 @@ def _compact_kernel(
         boundary = (base_eq < need_eq) & (base_eq + eq_here > need_eq)
     if PREFETCH:
         first = c * blocks_per_chunk + tl.arange(0, BLOCK)
-        nxt = tl.load(row_ptr + first, mask=(first < N) & (tl.arange(0, BLOCK) < blocks_per_chunk), other=0)
+        nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < blocks_per_chunk), other=0)
     for i in range(0, blocks_per_chunk, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
@@ -330,10 +332,10 @@ def _compact_kernel(
         if PREFETCH:  # the next tile's load is in flight during this tile's scan and stores
             raw = nxt
             nxt = tl.load(
-                row_ptr + offs + BLOCK, mask=(offs + BLOCK < N) & (loc + BLOCK < blocks_per_chunk), other=0
+                row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < blocks_per_chunk), other=0
             )
         else:
-            raw = tl.load(row_ptr + offs, mask=nmask, other=0)
+            raw = tl.load(row_ptr + offs, mask=(offs < n_load) & (loc < blocks_per_chunk), other=0)
         key = _key(raw, lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
@@ -404,12 +406,15 @@ def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False) -> int
 
 
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
-                 window=None):  # fmt: skip
+                 window=None, n_load=None):  # fmt: skip
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
     Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the same split as the histograms.
     window=(base [R] int32, top): the scorer wrote a threshold-window histogram after the levels; the levels
-    then run only for the rows whose threshold it did not pin down (launched for every row: no host sync)."""
+    then run only for the rows whose threshold it did not pin down (launched for every row: no host sync).
+    n_load: how far each row may be read (default N). Rows padded to a multiple of 16 keep the score loads
+    vectorized when N is not one (a mask that ends mid-vector splits them into 2-byte loads)."""
     rows, n = src.shape
+    n_load = n if n_load is None else n_load
     base, top = window if window is not None else (None, 0)
     if hist is None:
         hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=src.device)
@@ -417,7 +422,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
     sb = _sblock(chunk_len)
     for level in range(1 if first_done else 0, levels):
         _hist_kernel[(num_chunks, rows)](
-            src, hist, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
+            src, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
             PACKED=packed_bits(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"],
@@ -428,11 +433,12 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
 
 
 def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False,
-                  window=None, hint=None):  # fmt: skip
+                  window=None, hint=None, n_load=None):  # fmt: skip
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
     (`reverse`: src holds the keys newest first, and N - 1 - position comes out). With `window` (see
     radix_levels) each row's threshold score is written to `hint` [R] int32 for the next call."""
     rows, n = src.shape
+    n_load = n if n_load is None else n_load
     chunk_len = bpc * block
     sb = _sblock(chunk_len)
     assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
@@ -440,7 +446,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     atomic = COMPACT_MODE["mode"] == "atomic"
     cnt = torch.zeros(rows if atomic else 1, dtype=torch.int32, device=src.device)
     _compact_kernel[(num_chunks, rows)](
-        src, out, hist, cnt, n, src.stride(0), lo, k, rows, num_chunks, chunk_len,
+        src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
         ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, PREFETCH=PREFETCH["on"],
         WINDOW=window is not None, base_ptr=window[0] if window else None, hint_ptr=hint,
@@ -451,7 +457,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
 
 def radix_topk(
     src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, reverse=False,
-    window=None, hint=None,
+    window=None, hint=None, n_load=None,
 ):
     """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64."""
     kw = {
@@ -462,6 +468,7 @@ def radix_topk(
         "block": block,
         "num_chunks": num_chunks,
         "bpc": bpc,
+        "n_load": n_load,
     }
     hist = radix_levels(src, k, hist=hist, first_done=first_done, window=window, **kw)
     return radix_compact(src, k, hist, reverse=reverse, window=window, hint=hint, **kw)
