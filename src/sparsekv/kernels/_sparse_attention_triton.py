@@ -161,7 +161,7 @@ def sparse_attention_triton(
     if splits is None:
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
         # at most one wave of sm_mult resident programs per SM: a partial second wave adds a whole program's
-        # latency (H200, 128K x B8, 64 rows: 9 splits 33.3 us, 8 splits 29.5 us)
+        # latency (H200, 128K x B8, 64 rows: 9 splits 39.6 us, 8 splits 36.0 us)
         splits = max(1, min(TUNE["sm_mult"] * sms // rows, triton.cdiv(kk, block)))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
     splits = max(1, triton.cdiv(kk, split_len))

@@ -372,7 +372,8 @@ def chunking(
     """(num_chunks, blocks_per_chunk): enough programs to fill the GPU, each streaming several blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     blocks = triton.cdiv(n, block)
-    want_chunks = min(max_chunks, max(1, triton.cdiv(progs_per_sm * sms, rows)))
+    # at most one wave: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave (+12 us on the H200)
+    want_chunks = min(max_chunks, max(1, progs_per_sm * sms // rows))
     blocks_per_chunk = max(1, triton.cdiv(blocks, want_chunks))
     return triton.cdiv(blocks, blocks_per_chunk), blocks_per_chunk
 
