@@ -1,8 +1,8 @@
 """Device probe (issues 9/10): query-hash precision variants, prompt-key hashing tile sizes, the histogram
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
-split-K sparse attention's launch parameters.
+split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend]     # on a CUDA machine; prints one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -211,7 +211,9 @@ def attend_probe():
     for batch, n in ((8, 131072), (1, 32768)):
         k = int(0.02 * n)
         qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        kv = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        # distinct K and V: with one tensor for both, the V gather hits the rows the K gather just brought into L2
+        ks = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        vs = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
         idx = [torch.randint(0, n, (batch, HKV, 1, k), device=dev, generator=gen) for _ in range(2)]
         valid = torch.ones(batch, HKV, 1, k, device=dev, dtype=torch.bool)
         old = dict(sa.TUNE)
@@ -221,15 +223,71 @@ def attend_probe():
         ):  # fmt: skip
             sa.TUNE.update(block=block, sm_mult=mult, num_warps=warps, num_stages=stages)
             try:
-                t = graph_us(lambda i, qs=qs, kv=kv, idx=idx, valid=valid:
-                             sa.sparse_attention_triton(qs, kv[i], kv[i], idx[i], valid, D**-0.5), 2)  # fmt: skip
+                t = graph_us(lambda i, qs=qs, ks=ks, vs=vs, idx=idx, valid=valid:
+                             sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], valid, D**-0.5), 2)  # fmt: skip
                 print(f"attend {n // 1024}K x B{batch} block {block} sm_mult {mult} warps {warps} stages {stages}: "
                       f"{t:.1f} us", flush=True)  # fmt: skip
             except Exception as error:  # noqa: BLE001
                 print(f"attend block {block}: {type(error).__name__}: {str(error)[:200]}", flush=True)
         sa.TUNE.clear()
         sa.TUNE.update(old)
+        for splits in (4, 6, 7, 8, 9, 10, 12, 16, 24):  # one wave of resident programs vs more
+            t = graph_us(lambda i, qs=qs, ks=ks, vs=vs, idx=idx, valid=valid, splits=splits:
+                         sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], valid, D**-0.5, splits=splits), 2)  # fmt: skip
+            print(f"attend {n // 1024}K x B{batch} {splits} splits: {t:.1f} us", flush=True)
 
 
 if "attend" in SECTIONS:
     attend_probe()
+
+
+def sweep_probe():
+    """Score + select launch grid (sixth session): scorer tile, prefetch of the next tile, GQA head adders, 4-bit
+    histogram counters, programs per SM, select tile and warps; at 128K x B8 and at an N that is not a multiple
+    of 16 (the decode case: rows padded, one wave of programs). Each line is checked against the default's set."""
+    import itertools
+
+    def run(batch, n, data):
+        k = int(0.02 * n)
+        codes, qcs = data
+        hints = [torch.zeros(batch * HKV, dtype=torch.int32, device=dev) for _ in range(len(codes))]
+
+        def scored(i):
+            return ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True, sink=4, local=64,
+                                          threshold_hint=hints[i])  # fmt: skip
+
+        for i in range(len(codes)):
+            ham.hamming_select(scored(i), k)  # each row's threshold is now in its window
+        warm = [scored(i) for i in range(len(codes))]
+        t_score = graph_us(scored, len(codes))
+        t_sel = graph_us(lambda i: ham.hamming_select(warm[i], k), len(codes))
+        idx = ham.hamming_select(scored(0), k).sort(-1).values
+        return t_score, t_sel, idx
+
+    def rand_codes(*shape):
+        return torch.randint(-(2**31), 2**31 - 1, shape, device=dev, dtype=torch.int32, generator=gen)
+
+    spare = [rand_codes(B, HKV, N + 64, 4) for _ in range(3)]  # cache views with spare capacity, as in decoding
+    qcs = [rand_codes(B, HQ, 1, 4) for _ in range(3)]
+    saved = (dict(ham.TUNE), dict(tk.SELECT_TUNE), dict(tk.PACKED_NIBBLES))
+    ref = run(B, N, ([c[:, :, :N] for c in spare], qcs))[2]
+    grid = itertools.product((256, 512, 1024), (False, True), (False, True), (False, True), (8, 16),
+                             ((512, 2), (1024, 4)))  # fmt: skip
+    for block, prefetch, adders, nibbles, pps, (sblock, swarps) in grid:
+        ham.TUNE.update(block=block, prefetch=prefetch, group_adders=adders, progs_per_sm=pps)
+        tk.PACKED_NIBBLES["on"] = nibbles
+        tk.SELECT_TUNE.update(block=sblock, num_warps=swarps)
+        t_score, t_sel, idx = run(B, N, ([c[:, :, :N] for c in spare], qcs))
+        same = "" if torch.equal(idx, ref) else "  MISMATCH"
+        print(f"score tile {block} prefetch {prefetch!s:5s} adders {adders!s:5s} nibbles {nibbles!s:5s} "
+              f"progs/SM {pps:2d} select {sblock}x{swarps}w: score {t_score:.1f} select {t_sel:.1f} "
+              f"sum {t_score + t_sel:.1f} us{same}", flush=True)  # fmt: skip
+    for table, old in zip((ham.TUNE, tk.SELECT_TUNE, tk.PACKED_NIBBLES), saved, strict=True):
+        table.update(old)
+    for n in (N, N + 5):
+        t_score, t_sel, _ = run(B, n, ([c[:, :, :n] for c in spare], qcs))
+        print(f"defaults, N = {n}: score {t_score:.1f} select {t_sel:.1f} sum {t_score + t_sel:.1f} us", flush=True)
+
+
+if "sweep" in SECTIONS:
+    sweep_probe()

@@ -58,7 +58,7 @@ def run_kernels(
         )
     )
     default = dict(ham.TUNE)
-    for pps in (8, 32):
+    for pps in (16, 32):  # the default is 8 (one wave at the scorer's registers)
         ham.TUNE.update(progs_per_sm=pps)
         out.append(Row(f"  score+hist progs/SM={pps}", "sweep",
                        graph_us(lambda i: ham.hamming_score_hist(qc[i], kc[i], bits=bits), L),

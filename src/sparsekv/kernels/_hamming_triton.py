@@ -19,9 +19,9 @@ from sparsekv.kernels._topk_triton import (
     level_digit,
     max_chunks,
     packed_add,
+    packed_bits,
     packed_counts,
     radix_topk,
-    packed_bits,
     window_base,
     window_digit,
 )

@@ -1,0 +1,50 @@
+"""Machine-code properties of the hot kernels, compiled for sm_90 on this machine (scripts/kernel_sass.py): the
+selection's score loads stay 16-byte vectors on padded rows, and the GQA head adders halve the scorer's POPC."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs triton's compiler (not the interpreter)",
+)
+
+
+@pytest.fixture(scope="module")
+def sass():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import kernel_sass
+    finally:
+        sys.path.pop(0)
+    if not Path(kernel_sass._tool("ptxas")).exists():
+        pytest.skip("triton without its bundled NVIDIA tools")
+
+    def summary(kernel, div16_drop=(), **overrides):
+        fn, sig, constexprs, div16, warps = kernel_sass._kernels()[kernel]
+        div16 = tuple(n for n in div16 if n not in div16_drop)
+        line, _ = kernel_sass.summarise(kernel_sass.compile_sm90(fn, sig, constexprs | overrides, div16, warps, 3))
+        return line
+
+    return summary
+
+
+def test_compaction_score_loads_are_vectors_on_padded_rows(sass):
+    padded = sass("compact")
+    assert "LDG.E.U16" not in padded and "LDG.E.128" in padded, padded
+    # a row length that is not a multiple of 16 bounds the loads at N and splits them: what the padding avoids
+    assert "LDG.E.U16" in sass("compact", div16_drop=("N", "n_load"))
+
+
+def test_head_adders_halve_the_popcounts(sass):
+    def popc(line):
+        return int(line.split("POPC ")[1].split(",")[0])
+
+    combined, per_head = popc(sass("score")), popc(sass("score", HEADS0=0))
+    assert combined <= per_head // 2 + 1, (combined, per_head)
