@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -271,8 +271,8 @@ def sweep_probe():
     qcs = [rand_codes(B, HQ, 1, 4) for _ in range(3)]
     saved = (dict(ham.TUNE), dict(tk.SELECT_TUNE), dict(tk.PACKED_NIBBLES))
     ref = run(B, N, ([c[:, :, :N] for c in spare], qcs))[2]
-    grid = itertools.product((256, 512, 1024), (False, True), (False, True), (False, True), (8, 16),
-                             ((512, 2), (1024, 4)))  # fmt: skip
+    grid = list(itertools.product((512, 1024), (False, True), (False, True), (True,), (8, 16), ((512, 2),)))
+    grid += [(512, True, True, nibbles, 8, select) for nibbles in (False, True) for select in ((1024, 4), (256, 2))]
     for block, prefetch, adders, nibbles, pps, (sblock, swarps) in grid:
         ham.TUNE.update(block=block, prefetch=prefetch, group_adders=adders, progs_per_sm=pps)
         tk.PACKED_NIBBLES["on"] = nibbles
@@ -291,3 +291,26 @@ def sweep_probe():
 
 if "sweep" in SECTIONS:
     sweep_probe()
+
+
+def plain_probe():
+    """The plain scorer (int32 scores, no histogram): tile, programs per SM, prefetch, head adders."""
+    import itertools
+
+    codes = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
+             for _ in range(3)]  # fmt: skip
+    qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
+           for _ in range(3)]  # fmt: skip
+    saved = dict(ham.TUNE)
+    ref = ham.hamming_scores_triton(qcs[0], codes[0], bits=128)
+    for block, pps, prefetch, adders in itertools.product((512, 1024), (8, 16), (False, True), (False, True)):
+        ham.TUNE.update(block_plain=block, progs_per_sm_plain=pps, prefetch=prefetch, group_adders=adders)
+        t = graph_us(lambda i: ham.hamming_scores_triton(qcs[i], codes[i], bits=128), 3)
+        same = "" if torch.equal(ham.hamming_scores_triton(qcs[0], codes[0], bits=128), ref) else "  MISMATCH"
+        print(f"plain scorer tile {block} progs/SM {pps:2d} prefetch {prefetch!s:5s} adders {adders!s:5s}: "
+              f"{t:.1f} us{same}", flush=True)  # fmt: skip
+    ham.TUNE.update(saved)
+
+
+if "plain" in SECTIONS:
+    plain_probe()

@@ -28,10 +28,11 @@ from sparsekv.kernels._topk_triton import (
 from sparsekv.kernels._triton import next_pow2, pdl_launch
 
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
-# launch parameters of the scorer (the kernel benchmark sweeps them)
-# group_adders: combine a GQA group's query heads before the popcounts (group_words), for groups of up to 8
-TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "group_adders": True,
-        "prefetch": True}
+# launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
+# scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
+# (group_words), for groups of up to 8. prefetch: the next tile's codes load while this one is scored.
+TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
+        "group_adders": True, "prefetch": True}
 
 
 
@@ -229,7 +230,8 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
     block = min(block, max(16, 4096 // next_pow2(w)))
     levels, nbits = radix or (1, 1)
     num_chunks, bpc = chunking(
-        rows, n, block, key_codes.device, max_chunks=max_chunks(nbits), progs_per_sm=TUNE["progs_per_sm"]
+        rows, n, block, key_codes.device, max_chunks=max_chunks(nbits),
+        progs_per_sm=TUNE["progs_per_sm"] if radix is not None else TUNE["progs_per_sm_plain"],
     )
     window = radix is not None and hint is not None
     if radix is not None:
