@@ -372,7 +372,8 @@ def chunking(
     """(num_chunks, blocks_per_chunk): enough programs to fill the GPU, each streaming several blocks."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     blocks = triton.cdiv(n, block)
-    # at most one wave: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave (+12 us on the H200)
+    # at most one wave: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave (H200: score +
+    # select 86.4 us, 79.9 us in 16 chunks)
     want_chunks = min(max_chunks, max(1, progs_per_sm * sms // rows))
     blocks_per_chunk = max(1, triton.cdiv(blocks, want_chunks))
     return triton.cdiv(blocks, blocks_per_chunk), blocks_per_chunk
@@ -391,9 +392,8 @@ def int_levels(num_values: int) -> tuple[int, int]:
 
 
 def _sblock(chunk_len: int) -> int:
-    # measured on the H200 (docs/kernels-notes.md v6, v22): whole-chunk tiles of 4096-8192 keys made the
-    # compaction 1.5x slower than a loop over 512-key tiles; 1024-key tiles with 4 warps are the fastest since
-    # the compaction stores through one slot per key
+    # measured on the H200 (docs/kernels-notes.md v6, v24): whole-chunk tiles of 4096-8192 keys made the
+    # compaction 1.5x slower than a loop over 512-key tiles; 512 keys with 2 warps (SELECT_TUNE) are the fastest
     return min(SELECT_TUNE["block"], triton.next_power_of_2(chunk_len))
 
 
