@@ -84,18 +84,21 @@ def test_hamming_group_sizes_triton(impl, g, bits):
 
 @here
 @pytest.mark.parametrize(
-    "hist,nibbles,compact",
-    [("packed", False, "scan"), ("packed_all", True, "scan_nobranch"), ("packed_all", False, "atomic"),
-     ("atomic", True, "scan")],
+    "hist,nibbles,compact,scorer",
+    [("packed", False, "scan", {}), ("packed_all", True, "scan_nobranch", {"prefetch": False}),
+     ("packed_all", False, "atomic", {"group_adders": False}), ("atomic", True, "scan", {"prefetch": False})],
 )  # fmt: skip
-def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, hist, nibbles, compact):
-    """The benchmarked alternatives (histogram counters, compaction slots) select the same set as the default."""
+def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, hist, nibbles, compact, scorer):
+    """The benchmarked alternatives (histogram counters, compaction slots, scorer without prefetch or head
+    adders) select the same set as the default."""
     from sparsekv.kernels.hamming import hamming_topk_reference
 
     tk = impl["_topk_triton"]
     monkeypatch.setitem(tk.HIST_MODE, "mode", hist)
     monkeypatch.setitem(tk.PACKED_NIBBLES, "on", nibbles)
     monkeypatch.setitem(tk.COMPACT_MODE, "mode", compact)
+    for key, value in scorer.items():
+        monkeypatch.setitem(impl["_hamming_triton"].TUNE, key, value)
     gen = torch.Generator().manual_seed(7)
     qc, kc = _codes((2, 8, 1, 4), gen), _codes((2, 2, 2500, 4), gen)
     kc[:, :, 1000:1400] = kc[:, :, :1]  # ties at the threshold
@@ -105,6 +108,8 @@ def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, hist, ni
             qc, kc, 300, bits=128, recent_first=True, sink=2, local=3, threshold_hint=hint
         )
         assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+    # the selection reads score rows padded to a multiple of 64 (16-byte loads when N is not a multiple of 16)
+    assert impl["_hamming_triton"].hamming_score_hist(qc, kc, bits=128).scores.stride(-2) == 2560
 
 
 @here
