@@ -4,6 +4,7 @@ The histogram select runs on CUDA, or here under the Triton CPU interpreter in a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -71,6 +72,23 @@ def test_uniform_float_path_matches_cpu_rule(k, sink, local):
     assert int(ref.counts().sum()) == int(fast.counts().sum())
 
 
+def test_step_masks_are_built_once_on_first_read():
+    calls = []
+
+    def visible():
+        calls.append(1)
+        return torch.ones(1, 1, 5, dtype=torch.bool)
+
+    step = _step((1, 2, 1, 5), 2, 0, 0)
+    lazy = DecodeStep(step.query, step.keys, step.values, visible, step.forced, step.budgets, step.layer, "group")
+    assert calls == []
+    assert lazy.visible.all() and lazy.visible is lazy.visible and calls == [1]
+    copy = dataclasses.replace(lazy, query=step.query + 1)
+    assert copy.visible is lazy.visible and calls == [1]
+    with pytest.raises(TypeError):
+        DecodeStep(step.query, step.keys, step.values)  # the masks have no default
+
+
 def test_cpu_selection_ignores_hints():
     gen = torch.Generator().manual_seed(3)
     scores = torch.randint(0, 9, (1, 2, 1, 50), generator=gen)
@@ -118,7 +136,9 @@ for n, k, sink, local, bits in [(300, 17, 0, 0, 128), (301, 40, 2, 3, 64), (1000
                       forced_tokens(visible, sink, local), torch.full((2, 1), k), layer, "group",
                       StepHints(max_budget=k, uniform=True, sink=sink, local=local))
     ref = hamming_topk(hamming_scores_reference(qc, kc, bits=bits), step)
-    fast = _fused_hamming_core(qc.to(dev), kc.to(dev), bits, step)
+    unread = lambda: (_ for _ in ()).throw(AssertionError("the fused path built a per-key mask"))
+    lean = DecodeStep(step.query, step.keys, step.values, unread, unread, unread, layer, "group", step.hints)
+    fast = _fused_hamming_core(qc.to(dev), kc.to(dev), bits, lean)
     assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, k, sink, local, bits)
     hints = ThresholdHints()  # the selectors' threshold window: a first (cold) and a second (warm) step
     for _ in range(2):

@@ -6,6 +6,7 @@ Models call `past_key_values.update(...)` and then this function with `module.la
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,8 @@ def visibility(
 ) -> torch.Tensor:
     """[B, Q, N] bool: which cached keys each new query may see (causal past, padding removed)."""
     if attention_mask is None:
+        if q_len == 1:  # the one new query sees every cached key
+            return torch.ones(1, 1, 1, dtype=torch.bool, device=device).expand(batch, 1, kv_len)
         query_pos = torch.arange(kv_len - q_len, kv_len, device=device)
         causal = torch.arange(kv_len, device=device)[None, :] <= query_pos[:, None]
         return causal[None].expand(batch, -1, -1)
@@ -133,29 +136,21 @@ def sparse_attention_forward(
     batch, _, q_len, _ = query.shape
     num_keys = key.shape[2]
     hints = step_hints(config, attention_mask, q_len, num_keys)
-    visible = visibility(attention_mask, batch, q_len, num_keys, key.device)
-    forced = forced_tokens(visible, config.sink, config.local)
+    # built on first read (functools.cache keeps one copy): the fused device paths of a uniform step never read
+    # them, so their ~10 small kernels run only where a selector needs them
+    visible = functools.cache(lambda: visibility(attention_mask, batch, q_len, num_keys, key.device))
+    forced = functools.cache(lambda: forced_tokens(visible(), config.sink, config.local))
     if hints.uniform and key.device.type != "cpu":
         # every row keeps the same host-known count: one fill instead of a reduction over the visible mask
-        budgets = torch.full((batch, q_len), hints.max_budget, dtype=torch.long, device=key.device)
+        budgets = lambda: torch.full((batch, q_len), hints.max_budget, dtype=torch.long, device=key.device)
     else:
-        budgets = token_budgets(config, visible, forced)
-    step = DecodeStep(
-        query=query,
-        keys=key,
-        values=value,
-        visible=visible,
-        forced=forced,
-        budgets=budgets,
-        layer=selector.layer,
-        gqa=config.gqa,
-        hints=hints,
-    )
+        budgets = lambda: token_budgets(config, visible(), forced())
+    step = DecodeStep(query, key, value, visible, forced, budgets, selector.layer, config.gqa, hints)
     selection = selector.select(step)
     if pruner is not None:
         selection = pruner.prune(step, selection)
     if cache.record_stats:
-        cache.stats.record(module.layer_idx, selection, visible)
+        cache.stats.record(module.layer_idx, selection, step.visible)
     scale = scaling if scaling is not None else selector.layer.scaling
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -57,6 +57,27 @@ class Selection:
         return selection_mask(self.indices, self.valid, num_keys)
 
 
+class _OnDemand:
+    """A tensor field that may also be given as a function of no arguments, called on first read. The fused
+    device paths never read `visible` / `forced` / `budgets` of a uniform step, so the ~10 small kernels that
+    build them (aranges, a cumsum over the cache length, compares, a fill) are launched only for the paths that
+    do."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, step, owner=None):
+        if step is None:
+            raise AttributeError(self.slot)  # tells dataclass that the field has no default
+        value = step.__dict__[self.slot]
+        if callable(value) and not isinstance(value, torch.Tensor):
+            value = step.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, step, value) -> None:
+        step.__dict__[self.slot] = value
+
+
 @dataclass
 class DecodeStep:
     """Everything a selector sees for one attention call of new queries after the prefill.
@@ -67,14 +88,16 @@ class DecodeStep:
     budgets: [B, Q] int64 tokens to keep per query (forced included, never above the visible count).
     hints:   optional host-side facts about the step (the attention function sets them) so that the CUDA path
              never reads a device tensor back; CPU selection ignores them.
+
+    visible, forced and budgets may be passed as functions of no arguments: they are built on first read.
     """
 
     query: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
-    visible: torch.Tensor
-    forced: torch.Tensor
-    budgets: torch.Tensor
+    visible: torch.Tensor = _OnDemand()
+    forced: torch.Tensor = _OnDemand()
+    budgets: torch.Tensor = _OnDemand()
     layer: LayerInfo
     gqa: str
     hints: StepHints | None = None
@@ -85,7 +108,7 @@ class DecodeStep:
 
     def max_budget(self) -> int:
         """The largest entry of `budgets`, or on a device an upper bound of it known on the host (no sync)."""
-        if self.hints is not None and self.budgets.device.type != "cpu":
+        if self.hints is not None and self.query.device.type != "cpu":
             return self.hints.max_budget
         return int(self.budgets.max())
 
