@@ -233,14 +233,18 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
 
 @here
 @pytest.mark.parametrize(
-    "mlp,resid,cols", [(True, False, 128), (False, False, 128), (True, True, 128), (False, True, 128), (True, True, 32)]
-)
-def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols):
-    """cols: output bits per program for decode queries (the MLP's hidden layer is recomputed in each)."""
+    "mlp,resid,cols,early",
+    [(True, False, 128, False), (False, False, 128, False), (True, True, 128, False), (False, True, 128, False),
+     (True, True, 32, False), (True, True, 64, True), (True, False, 128, True)],
+)  # fmt: skip
+def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early):
+    """cols: output bits per program for decode queries (the MLP's hidden layer is recomputed in each); early:
+    the second layer's weights loaded before the first dot."""
     from sparsekv.kernels.sign_hash import sign_hash_reference
 
     mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
     monkeypatch.setitem(mod.TUNE, "cols", cols)
+    monkeypatch.setitem(mod.TUNE, "early", early)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 6, 3, 32, generator=gen)
     w1 = torch.randn(2, 32, 64 if mlp else 128, generator=gen)
@@ -256,6 +260,41 @@ def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols):
 
     flips = popcount32(out ^ ref).sum().item()
     assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
+
+
+@here
+@pytest.mark.parametrize("kind,group,new,cols,early", [("mlp", 4, 1, 64, False), ("mlp", 3, 2, 128, True),
+                                                      ("linear", 4, 1, 64, False), ("mlp", 1, 5, 32, False)])
+def test_sign_hash_pair_triton(monkeypatch, kind, group, new, cols, early):
+    """Queries + new keys in one launch == the reference, keys written into a slice of a larger code buffer."""
+    from sparsekv.kernels.bits import popcount32
+    from sparsekv.kernels.sign_hash import sign_hash_pair_reference
+
+    mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
+    monkeypatch.setitem(mod.TUNE, "cols", cols)
+    monkeypatch.setitem(mod.TUNE, "early", early)
+    gen = torch.Generator().manual_seed(group * 10 + new)
+    b, hkv, d, bits = 2, 3, 32, 128
+    query = torch.randn(b, hkv * group, 1, d, generator=gen)
+    keys = torch.randn(b, hkv, new, d, generator=gen) + 0.5
+    mean, kscale, qscale = 0.5 + 0.1 * torch.randn(hkv, d, generator=gen), torch.rand(hkv) + 0.5, torch.rand(hkv) + 1
+    if kind == "mlp":
+        weights = (torch.randn(hkv, d, 64, generator=gen) * d**-0.5, torch.randn(hkv, 64, bits, generator=gen) * 0.1,
+                   torch.randn(hkv, 64, generator=gen), torch.randn(hkv, d, bits, generator=gen))  # fmt: skip
+    else:
+        weights = (torch.randn(hkv, d, bits, generator=gen), None, None, None)
+    ref_buffer = torch.zeros(b, hkv, 9, bits // 32, dtype=torch.int32)
+    ref_q = sign_hash_pair_reference(query.double(), keys.double(), ref_buffer[:, :, 4 : 4 + new], mean, kscale,
+                                     qscale, *weights)  # fmt: skip
+    buffer = torch.full((b, hkv, 9, bits // 32), 7, dtype=torch.int32, device=DEV)
+    out_q = mod.sign_hash_pair_triton(query.to(DEV), keys.to(DEV), buffer[:, :, 4 : 4 + new], mean.to(DEV),
+                                      kscale.to(DEV), qscale.to(DEV),
+                                      *(None if w is None else w.to(DEV) for w in weights)).cpu()  # fmt: skip
+    buffer = buffer.cpu()
+    assert (buffer[:, :, :4] == 7).all() and (buffer[:, :, 4 + new :] == 7).all()  # only the new keys' slots
+    for got, ref in ((out_q, ref_q), (buffer[:, :, 4 : 4 + new], ref_buffer[:, :, 4 : 4 + new])):
+        flips = popcount32(got ^ ref).sum().item()  # tf32 dots on the GPU may flip signs of values near 0
+        assert got.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
 
 
 def _mod(name):

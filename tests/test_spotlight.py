@@ -228,3 +228,40 @@ def test_folded_device_hash_equals_layer_hash(kind):
         got = sign_hash_reference(x, *selector._folded_weights(role, x.device))
         flipped = sum((v & 0xFFFFFFFF).bit_count() for v in (got ^ expected).flatten().tolist())
         assert flipped <= 2, flipped  # float rounding order only: signs of values within ~1e-6 of zero
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+def test_deferred_key_hash_equals_eager_hash(kind, monkeypatch):
+    """On the GPU a decode step's new keys are hashed by the step's query hash (`sign_hash_pair`, one launch).
+    The bookkeeping, checked here through the pair's torch reference: codes land in the new keys' slots; reading
+    `key_codes`, appending again or a non-fused select hash them the plain way; the codes equal the LayerHash's."""
+    layer = LayerInfo(3, 30, 9, 3, 64, 0.125)
+    gen = torch.Generator().manual_seed(7)
+    config = SparseConfig(method="spotlight", options={"checkpoint": "none", "hash": kind})
+    eager, deferred = (SpotlightSelector(config, layer, checkpoint="none", hash=kind) for _ in range(2))
+    with torch.no_grad():
+        if kind == "mlp":
+            eager.hash_fn.w2.normal_(generator=gen)
+            eager.hash_fn.b1.normal_(generator=gen)
+        eager.hash_fn.set_normalisation(torch.randn(3, 64, generator=gen), torch.rand(3, generator=gen) + 0.5,
+                                        torch.rand(3, generator=gen) + 0.5)  # fmt: skip
+        deferred.hash_fn.load_state_dict(eager.hash_fn.state_dict())
+    monkeypatch.setattr(deferred, "_defers", lambda keys: keys.shape[-2] <= 2)  # the GPU's rule, here on CPU
+    keys = torch.randn(2, 3, 40, 64, generator=gen) * 2 + 0.3
+    query = torch.randn(2, 9, 1, 64, generator=gen)
+    for sel in (eager, deferred):
+        sel.prefill(keys[:, :, :30], keys[:, :, :30], query)
+    flips = lambda a, b: sum((v & 0xFFFFFFFF).bit_count() for v in (a ^ b).flatten().tolist())
+    for t in range(30, 40, 2):
+        new = keys[:, :, t : t + 1 if t < 36 else t + 2]  # one new key, then two
+        eager.append(new, new)
+        deferred.append(new, new)
+        assert deferred._pending is new  # not hashed yet
+        q_deferred = deferred._query_codes(query)
+        assert deferred._pending is None
+        assert flips(q_deferred, eager._query_codes(query)) <= 2
+        assert flips(deferred._codes[..., : deferred._length, :], eager.key_codes) <= 2
+    deferred.append(keys[:, :, :1], keys[:, :, :1])
+    assert deferred._pending is not None
+    assert torch.equal(deferred.key_codes[..., -1:, :], deferred._hash(keys[:, :, :1], "k"))  # read: hashed
+    assert deferred._pending is None

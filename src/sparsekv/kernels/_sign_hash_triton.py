@@ -13,7 +13,46 @@ import triton.language as tl
 from sparsekv.kernels._tl_utils import pdl_enter
 from sparsekv.kernels._triton import pdl_launch
 
-TUNE = {"cols": 64}  # output bits per program for decode queries (scripts/gpu_probe.py sweeps it)
+# output bits per program for decode queries; early: load the second layer's weights before the first dot
+# (scripts/gpu_probe.py hash sweeps both)
+TUNE = {"cols": 64, "early": False}
+
+
+@triton.jit
+def hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D: tl.constexpr,
+                 HID: tl.constexpr, BITS: tl.constexpr, MLP: tl.constexpr, BIAS: tl.constexpr, RESID: tl.constexpr,
+                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
+    """Rows x [BM, D] of one kv head through x @ W1 (+ b1, SiLU, @ W2) (+ x @ Wr): output columns
+    [cb * COLS, (cb + 1) * COLS) in float32."""
+    d = tl.arange(0, D)
+    hid = tl.arange(0, HID)
+    kb = cb * COLS + tl.arange(0, COLS)
+    w1 = tl.load(w1_ptr + kvh.to(tl.int64) * sw1h + d[:, None] * sw1d + hid[None, :])
+    if MLP and EARLY:  # the second layer's weights in flight with the first's, not after the first dot
+        w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
+        if RESID:
+            wr = tl.load(wr_ptr + kvh.to(tl.int64) * D * BITS + d[:, None] * BITS + kb[None, :])
+    x = x.to(w1.dtype)
+    y = tl.dot(x, w1, input_precision=PREC)  # [BM, HID] fp32
+    if MLP:
+        if BIAS:
+            y += tl.load(b1_ptr + kvh * HID + hid)[None, :].to(tl.float32)
+        y = y * tl.sigmoid(y)
+        if not EARLY:
+            w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
+        y = tl.dot(y.to(w2.dtype), w2, input_precision=PREC)  # [BM, COLS]
+        if RESID:  # Spotlight's MLP hash adds a linear branch: x @ Wr (same shape as W2's output)
+            if not EARLY:
+                wr = tl.load(wr_ptr + kvh.to(tl.int64) * D * BITS + d[:, None] * BITS + kb[None, :])
+            y += tl.dot(x, wr, input_precision=PREC)
+    return y
+
+
+@triton.jit
+def packed_signs(y, BM: tl.constexpr, COLS: tl.constexpr):
+    """[BM, COLS] floats -> [BM, COLS / 32] int32 words of their sign bits (bit j of a word: column j > 0)."""
+    bitv = tl.reshape((y > 0).to(tl.int32), [BM, COLS // 32, 32])
+    return tl.sum(bitv << tl.arange(0, 32)[None, None, :], axis=2)  # bit 31 wraps to the sign: intended
 
 
 @triton.jit
@@ -45,6 +84,7 @@ def _sign_hash_kernel(
     BM: tl.constexpr,
     USE_PDL: tl.constexpr = False,
     COLS: tl.constexpr = 32,
+    EARLY: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
@@ -60,33 +100,87 @@ def _sign_hash_kernel(
         mask=rmask[:, None],
         other=0.0,
     )
-    hid = tl.arange(0, HID)
-    w1 = tl.load(w1_ptr + kvh.to(tl.int64) * sw1h + d[:, None] * sw1d + hid[None, :])
-    x = x.to(w1.dtype)
-    y = tl.dot(x, w1, input_precision=PREC)  # [BM, HID] fp32
+    y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, BIAS,
+                     RESID, PREC, COLS, EARLY)  # fmt: skip
     kb = cb * COLS + tl.arange(0, COLS)
-    if MLP:
-        if BIAS:
-            y += tl.load(b1_ptr + kvh * HID + hid)[None, :].to(tl.float32)
-        y = y * tl.sigmoid(y)
-        w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
-        y = tl.dot(y.to(w2.dtype), w2, input_precision=PREC)  # [BM, BITS]
-        if RESID:  # Spotlight's MLP hash adds a linear branch: x @ Wr (same shape as W2's output)
-            wr = tl.load(wr_ptr + kvh.to(tl.int64) * D * BITS + d[:, None] * BITS + kb[None, :])
-            y += tl.dot(x, wr, input_precision=PREC)
     if BIAS2:
         y += tl.load(b2_ptr + kvh * BITS + kb)[None, :].to(tl.float32)
     W: tl.constexpr = BITS // 32
-    WC: tl.constexpr = COLS // 32
-    bitv = (y > 0).to(tl.int32)
-    bitv = tl.reshape(bitv, [BM, WC, 32])
-    words = tl.sum(bitv << tl.arange(0, 32)[None, None, :], axis=2)  # bit 31 wraps to the sign: intended
-    w = cb * WC + tl.arange(0, WC)
+    w = cb * (COLS // 32) + tl.arange(0, COLS // 32)
     tl.store(
         out_ptr + ((b.to(tl.int64) * HKV + kvh) * M + rows[:, None]) * W + w[None, :],
-        words,
+        packed_signs(y, BM, COLS),
         mask=rmask[:, None],
     )
+
+
+@triton.jit
+def _sign_hash_pair_kernel(
+    xq_ptr,
+    xk_ptr,
+    mean_ptr,
+    kscale_ptr,
+    qscale_ptr,
+    w1_ptr,
+    w2_ptr,
+    b1_ptr,
+    wr_ptr,
+    outq_ptr,
+    outk_ptr,
+    MQ,
+    MK,
+    HKV,
+    sqb,
+    sqh,
+    skb,
+    skh,
+    skt,
+    sob,
+    soh,
+    sot,
+    sw1h,
+    sw1d,
+    sw2h,
+    sw2k,
+    D: tl.constexpr,
+    HID: tl.constexpr,
+    BITS: tl.constexpr,
+    MLP: tl.constexpr,
+    RESID: tl.constexpr,
+    PREC: tl.constexpr,
+    BM: tl.constexpr,
+    COLS: tl.constexpr,
+    EARLY: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
+    """Queries and new keys of one kv head in one tile: rows [0, MQ) are the group's queries (x / query scale),
+    rows [MQ, MQ + MK) the new keys ((x - key mean) / key scale); one MLP pass, two outputs."""
+    pdl_enter(USE_PDL)
+    r = tl.program_id(0)
+    cb = tl.program_id(1)
+    kvh = r % HKV
+    b = r // HKV
+    rows = tl.arange(0, BM)
+    is_q = rows < MQ
+    is_k = (rows >= MQ) & (rows < MQ + MK)
+    d = tl.arange(0, D)
+    kt = tl.where(is_k, rows - MQ, 0)
+    xq = tl.load(xq_ptr + b.to(tl.int64) * sqb + kvh.to(tl.int64) * sqh + rows[:, None] * D + d[None, :],
+                 mask=is_q[:, None], other=0.0)  # fmt: skip
+    xk = tl.load(xk_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh + kt[:, None] * skt + d[None, :],
+                 mask=is_k[:, None], other=0.0)  # fmt: skip
+    mean = tl.load(mean_ptr + kvh * D + d)
+    scale = tl.where(is_q, tl.load(qscale_ptr + kvh), tl.load(kscale_ptr + kvh))
+    x = tl.where(is_q[:, None], xq.to(tl.float32), xk.to(tl.float32) - mean[None, :]) / scale[:, None]
+    y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, True,
+                     RESID, PREC, COLS, EARLY)  # fmt: skip
+    words = packed_signs(y, BM, COLS)
+    W: tl.constexpr = BITS // 32
+    w = cb * (COLS // 32) + tl.arange(0, COLS // 32)
+    tl.store(outq_ptr + ((b.to(tl.int64) * HKV + kvh) * MQ + rows[:, None]) * W + w[None, :], words,
+             mask=is_q[:, None])  # fmt: skip
+    tl.store(outk_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + kt[:, None] * sot + w[None, :], words,
+             mask=is_k[:, None])  # fmt: skip
 
 
 def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
@@ -137,7 +231,64 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
         PREC="tf32x3" if w1.dtype == torch.float32 else "tf32",
         BM=bm,
         COLS=cols,
+        EARLY=TUNE["early"],
         num_warps=8 if cols > 256 or w1.dtype == torch.float32 else 4,
         **pdl_launch(x.device),
     )
     return out
+
+
+def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2=None, b1=None, wr=None):
+    """One launch for a decode step's queries and new keys (see `sign_hash.sign_hash_pair`): both sets of rows of
+    a kv head share its program, so the keys' hash adds no launch and no latency."""
+    b, hq, q, d = query.shape
+    hkv, t = keys.shape[1], keys.shape[2]
+    hid = w1.shape[-1]
+    bits = (w2 if w2 is not None else w1).shape[-1]
+    mq = hq // hkv * q
+    query = query.contiguous()
+    if keys.stride(-1) != 1:
+        keys = keys.contiguous()
+    w2c = w2.contiguous() if w2 is not None else w1
+    out_q = torch.empty(b, hq, q, bits // 32, dtype=torch.int32, device=query.device)
+    cols = TUNE["cols"] if w2 is not None and bits % TUNE["cols"] == 0 else bits
+    _sign_hash_pair_kernel[(b * hkv, bits // cols)](
+        query,
+        keys,
+        key_mean,
+        key_scale,
+        query_scale,
+        w1,
+        w2c,
+        b1 if b1 is not None else w1,
+        wr if wr is not None else w1,
+        out_q,
+        key_out,
+        mq,
+        t,
+        hkv,
+        hq * q * d,
+        mq * d,
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        key_out.stride(0),
+        key_out.stride(1),
+        key_out.stride(2),
+        w1.stride(0),
+        w1.stride(1),
+        w2c.stride(0),
+        w2c.stride(1),
+        D=d,
+        HID=hid,
+        BITS=bits,
+        MLP=w2 is not None,
+        RESID=wr is not None and w2 is not None,
+        PREC="tf32x3" if w1.dtype == torch.float32 else "tf32",
+        BM=max(16, triton.next_power_of_2(mq + t)),
+        COLS=cols,
+        EARLY=TUNE["early"],
+        num_warps=8 if w1.dtype == torch.float32 else 4,
+        **pdl_launch(query.device),
+    )
+    return out_q

@@ -38,6 +38,13 @@ def sign_hash_reference(
     return pack_sign_bits(y).reshape(b, heads, q, -1)
 
 
+def _fused_shapes(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None) -> bool:
+    bits = (w2 if w2 is not None else w1).shape[-1]
+    dims = (x.shape[-1], w1.shape[-1], bits)
+    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in dims)  # tl.arange / tl.dot tile constraints
+    return pow2 and bits >= 32 and x.dtype in (w1.dtype, torch.bfloat16, torch.float16)
+
+
 def sign_hash(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -49,11 +56,61 @@ def sign_hash(
     """Packed sign codes of a linear or MLP hash (see the reference for shapes); one kernel on CUDA."""
     from sparsekv.kernels._triton import kernel, use_triton
 
-    bits = (w2 if w2 is not None else w1).shape[-1]
-    dims = (x.shape[-1], w1.shape[-1], bits)
-    pow2 = all(n >= 16 and n & (n - 1) == 0 for n in dims)  # tl.arange / tl.dot tile constraints
-    if use_triton(x, w1) and pow2 and bits >= 32 and x.dtype in (w1.dtype, torch.bfloat16, torch.float16):
+    if use_triton(x, w1) and _fused_shapes(x, w1, w2):
         impl = kernel("_sign_hash_triton", "sign_hash_triton")
         if impl is not None:
             return impl(x, w1, w2, b1, wr, b2)
     return sign_hash_reference(x, w1, w2, b1, wr, b2)
+
+
+# rows of one kv head (its group's queries + the new keys) that one program of the pair kernel takes
+PAIR_MAX_ROWS = 64
+
+
+def sign_hash_pair_reference(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    key_out: torch.Tensor,
+    key_mean: torch.Tensor,
+    key_scale: torch.Tensor,
+    query_scale: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor | None = None,
+    b1: torch.Tensor | None = None,
+    wr: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """query [B, Hq, Q, d] and keys [B, Hkv, T, d] through one hash with per-role normalisation: queries
+    x / query_scale, keys (x - key_mean) / key_scale (key_mean [Hkv, d], scales [Hkv], float32). Writes the
+    keys' codes into key_out [B, Hkv, T, bits/32] (a view into a code buffer may be passed) and returns the
+    queries' codes [B, Hq, Q, bits/32]."""
+    group = query.shape[1] // keys.shape[1]
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    qn = query.to(dtype) / query_scale.to(dtype).repeat_interleave(group)[None, :, None, None]
+    kn = (keys.to(dtype) - key_mean.to(dtype)[None, :, None, :]) / key_scale.to(dtype)[None, :, None, None]
+    weights = [None if t is None else t.to(dtype) for t in (w1, w2, b1, wr)]
+    key_out.copy_(sign_hash_reference(kn, *weights))
+    return sign_hash_reference(qn, *weights)
+
+
+def sign_hash_pair(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    key_out: torch.Tensor,
+    key_mean: torch.Tensor,
+    key_scale: torch.Tensor,
+    query_scale: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor | None = None,
+    b1: torch.Tensor | None = None,
+    wr: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A decode step's query codes and its new keys' codes in one kernel on CUDA (see the reference)."""
+    from sparsekv.kernels._triton import kernel, use_triton
+
+    rows = query.shape[1] // keys.shape[1] * query.shape[2] + keys.shape[2]
+    fits = rows <= PAIR_MAX_ROWS and key_out.stride(-1) == 1 and w1.dtype == torch.float32
+    if use_triton(query, keys, w1) and fits and _fused_shapes(query, w1, w2) and keys.dtype == query.dtype:
+        impl = kernel("_sign_hash_triton", "sign_hash_pair_triton")
+        if impl is not None:
+            return impl(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+    return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)

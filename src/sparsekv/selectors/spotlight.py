@@ -353,6 +353,8 @@ class SpotlightSelector(TokenSelector):
         self._codes: torch.Tensor | None = None
         self._length = 0
         self._folded: dict = {}
+        # a decode step's new keys whose codes the query hash of the same step writes (one launch for both)
+        self._pending: torch.Tensor | None = None
 
     # state ---------------------------------------------------------------------------------------------------
     def _hash(self, x: torch.Tensor, role: str) -> torch.Tensor:
@@ -400,6 +402,35 @@ class SpotlightSelector(TokenSelector):
             self._folded[key] = tuple(None if t is None else t.to(device).contiguous() for t in args)
         return self._folded[key]
 
+    def _pair_weights(self, device: torch.device) -> tuple | None:
+        """`sign_hash_pair`'s hash arguments (float32 on `device`): key mean, key scale, query scale, W1, W2,
+        b1, W; None where the fused kernels' tile constraints do not hold."""
+        key = ("pair", device)
+        if key not in self._folded:
+            fn = self.hash_fn
+            dims = (fn.head_dim, fn.hidden or fn.bits, fn.bits)
+            if not all(n >= 16 and n & (n - 1) == 0 for n in dims):
+                self._folded[key] = None
+                return None
+            hash_args = (fn.w, None, None, None) if fn.kind == "linear" else (fn.w1, fn.w2, fn.b1, fn.w)
+            self._folded[key] = tuple(
+                None if t is None else t.detach().to(device, torch.float32).contiguous()
+                for t in (fn.key_mean, fn.key_scale, fn.query_scale, *hash_args)
+            )
+        return self._folded[key]
+
+    def _defers(self, keys: torch.Tensor) -> bool:
+        """Whether the new keys' codes can wait for the step's query hash: a decode step on the GPU."""
+        from sparsekv.kernels.sign_hash import PAIR_MAX_ROWS
+
+        rows = self.layer.group_size + keys.shape[-2]  # one query per kv head's group + the new keys
+        return (
+            keys.is_cuda
+            and keys.dtype != torch.float64
+            and rows <= PAIR_MAX_ROWS
+            and self._pair_weights(keys.device) is not None
+        )
+
     def prefill(
         self,
         keys: torch.Tensor,
@@ -407,28 +438,46 @@ class SpotlightSelector(TokenSelector):
         query: torch.Tensor,
         key_mask: torch.Tensor | None = None,
     ) -> None:
-        self._codes, self._length = None, 0
+        self._codes, self._length, self._pending = None, 0, None
         self.append(keys, values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        codes = self._hash(keys, "k")  # [B, Hkv, T, W]
-        needed = self._length + codes.shape[-2]
+        self._hash_pending()
+        b, h, t, _ = keys.shape
+        needed = self._length + t
         if self._codes is None or needed > self._codes.shape[-2]:
-            grown = torch.empty(
-                *codes.shape[:-2],
-                max(needed, 2 * self._length),
-                codes.shape[-1],
-                dtype=codes.dtype,
-                device=codes.device,
-            )
+            words = (self.code_bits + 31) // 32  # pack_sign_bits' words
+            grown = torch.empty(b, h, max(needed, 2 * self._length), words, dtype=torch.int32, device=keys.device)
             if self._codes is not None:
                 grown[..., : self._length, :] = self._codes[..., : self._length, :]
             self._codes = grown
-        self._codes[..., self._length : needed, :] = codes
+        if self._defers(keys):
+            self._pending = keys
+        else:
+            self._codes[..., self._length : needed, :] = self._hash(keys, "k")
         self._length = needed
+
+    def _hash_pending(self) -> None:
+        if self._pending is not None:
+            t = self._pending.shape[-2]
+            self._codes[..., self._length - t : self._length, :] = self._hash(self._pending, "k")
+            self._pending = None
+
+    def _query_codes(self, query: torch.Tensor) -> torch.Tensor:
+        """The step's query codes; deferred new keys are hashed in the same launch, into their slots."""
+        if self._pending is None:
+            return self._hash(query, "q")
+        from sparsekv.kernels.sign_hash import sign_hash_pair
+
+        t = self._pending.shape[-2]
+        slots = self._codes[..., self._length - t : self._length, :]
+        codes = sign_hash_pair(query, self._pending, slots, *self._pair_weights(query.device))
+        self._pending = None
+        return codes
 
     @property
     def key_codes(self) -> torch.Tensor:
+        self._hash_pending()
         return self._codes[..., : self._length, :]
 
     # selection -----------------------------------------------------------------------------------------------
@@ -441,8 +490,9 @@ class SpotlightSelector(TokenSelector):
         return hamming_scores(query_codes, keys, bits=self.code_bits)
 
     def select(self, step: DecodeStep) -> Selection:
-        keys = self.key_codes[..., : step.keys.shape[-2], :]
-        query_codes = lambda: self._hash(step.query, "q")  # hashed only when the fast path runs
+        # deferred new keys: their codes are written by `_query_codes`, which runs before the scorer
+        keys = self._codes[..., : step.keys.shape[-2], :]
+        query_codes = lambda: self._query_codes(step.query)  # hashed only when the fast path runs
         fast = fused_hamming_selection(query_codes, keys, self.code_bits, step, self.threshold_hints)
         if fast is not None:
             return fast
