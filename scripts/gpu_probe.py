@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -314,3 +314,46 @@ def plain_probe():
 
 if "plain" in SECTIONS:
     plain_probe()
+
+
+def pair_probe():
+    """A decode step's query + new-key hash: two `sign_hash` launches and the copy into the code buffer (before
+    the seventh session) against one `sign_hash_pair` launch, with and without the early weight loads; B8 and B1.
+    Every line is checked against the pair's torch reference (bits flipped by rounding)."""
+    from sparsekv.kernels.bits import popcount32
+    from sparsekv.kernels.sign_hash import sign_hash, sign_hash_pair, sign_hash_pair_reference
+
+    mean, kscale, qscale = 0.1 * torch.randn(HKV, D, device=dev), torch.rand(HKV, device=dev) + 0.5, torch.rand(
+        HKV, device=dev) + 0.5  # fmt: skip
+    weights = (w[0], w[1] * 0.1, b1, w[2])
+    saved = dict(sh.TUNE)
+
+    def probe(batch):
+        qs = [torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+        ks = [torch.randn(batch, HKV, 1, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+        buffers = [torch.zeros(batch, HKV, 64, 4, dtype=torch.int32, device=dev) for _ in range(4)]
+        ref_buf = torch.zeros(batch, HKV, 1, 4, dtype=torch.int32, device=dev)
+        ref_q = sign_hash_pair_reference(qs[0], ks[0], ref_buf, mean, kscale, qscale, *weights)
+
+        def two(i):  # the folded per-role launches; `mean` stands in for the keys' [Hkv, bits] output bias
+            sign_hash(qs[i], *weights)
+            buffers[i][:, :, 5:6] = sign_hash(ks[i], *weights, mean)
+
+        def pair(i):
+            return sign_hash_pair(qs[i], ks[i], buffers[i][:, :, 5:6], mean, kscale, qscale, *weights)
+
+        for early in (False, True):
+            sh.TUNE.update(early=early)
+            t_two, t_pair = graph_us(two, 4), graph_us(pair, 4)
+            got_q = pair(0)
+            flips = int(popcount32(got_q ^ ref_q).sum()) + int(popcount32(buffers[0][:, :, 5:6] ^ ref_buf).sum())
+            print(f"B{batch} early {early!s:5s}: q + k hash as two launches + copy {t_two:.1f} us, "
+                  f"one pair launch {t_pair:.1f} us (bits flipped vs reference: {flips})", flush=True)  # fmt: skip
+
+    for batch in (8, 1):
+        probe(batch)
+    sh.TUNE.update(saved)
+
+
+if "pair" in SECTIONS:
+    pair_probe()

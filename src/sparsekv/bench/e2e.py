@@ -289,7 +289,7 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
     return result
 
 
-def profile_step(step, tok: torch.Tensor, pos: torch.Tensor, top: int = 14) -> dict:
+def profile_step(step, tok: torch.Tensor, pos: torch.Tensor, top: int = 40) -> dict:
     """GPU kernels of one eager decode step (torch.profiler): count, total kernel time, the heaviest names."""
     from torch.profiler import ProfilerActivity, profile
 
