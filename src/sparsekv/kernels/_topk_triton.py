@@ -445,7 +445,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
     out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
     atomic = COMPACT_MODE["mode"] == "atomic"
-    cnt = torch.zeros(rows if atomic else 1, dtype=torch.int32, device=src.device)
+    cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out  # unused by "scan": no fill
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
