@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,layout,selwarps]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -357,3 +357,75 @@ def pair_probe():
 
 if "pair" in SECTIONS:
     pair_probe()
+
+
+def layout_probe():
+    """Sparse attention over separate K and V buffers [B, Hkv, N, d] against one interleaved buffer
+    [B, Hkv, N, 2, d] (each token's K and V rows adjacent: one 512-byte gather instead of two of 256), with
+    sorted indices as the selection writes them."""
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    def one(batch, n):
+        k = int(0.02 * n)
+        qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        idx = [torch.rand(batch, HKV, 1, n, device=dev, generator=gen).argsort(-1)[..., :k].sort(-1).values
+               for _ in range(2)]  # fmt: skip
+        valid = torch.ones(batch, HKV, 1, k, device=dev, dtype=torch.bool)
+        kv = [torch.randn(batch, HKV, n, 2, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        sep = [(t[..., 0, :].contiguous(), t[..., 1, :].contiguous()) for t in kv]
+
+        def separate(i):
+            return sa.sparse_attention_triton(qs, *sep[i], idx[i], valid, D**-0.5)
+
+        def interleaved(i):
+            return sa.sparse_attention_triton(qs, kv[i][..., 0, :], kv[i][..., 1, :], idx[i], valid, D**-0.5)
+
+        def unmasked(i):  # valid=None, as the fused selections pass it: no mask loads
+            return sa.sparse_attention_triton(qs, *sep[i], idx[i], None, D**-0.5)
+
+        t_sep, t_int, t_none = graph_us(separate, 2), graph_us(interleaved, 2), graph_us(unmasked, 2)
+        same = torch.allclose(separate(0), interleaved(0)) and torch.equal(separate(0), unmasked(0))
+        print(f"attend {n // 1024}K x B{batch}, sorted indices: separate K/V {t_sep:.1f} us, interleaved "
+              f"{t_int:.1f} us, separate without the valid mask {t_none:.1f} us (same output: {same})",
+              flush=True)  # fmt: skip
+
+    for batch, n in ((8, 131072), (1, 32768)):
+        one(batch, n)
+
+
+if "layout" in SECTIONS:
+    layout_probe()
+
+
+def selwarps_probe():
+    """The compaction's tile and warps (1 warp: the block scan needs no barriers), default scorer, 128K x B8 and
+    32K x B1, window hint warm; each line checked against the default's selected set."""
+    saved = dict(tk.SELECT_TUNE)
+    for batch, n in ((8, 131072), (1, 32768)):
+        k = int(0.02 * n)
+        codes = [torch.randint(-(2**31), 2**31 - 1, (batch, HKV, n + 64, 4), device=dev, dtype=torch.int32,
+                               generator=gen)[:, :, :n] for _ in range(3)]  # fmt: skip
+        qcs = [torch.randint(-(2**31), 2**31 - 1, (batch, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
+               for _ in range(3)]  # fmt: skip
+        hints = [torch.zeros(batch * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
+
+        def scored(i, qcs=qcs, codes=codes, hints=hints):
+            return ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True, sink=4, local=64,
+                                          threshold_hint=hints[i])  # fmt: skip
+
+        ref = None
+        for sblock, swarps in ((512, 2), (512, 1), (256, 1), (1024, 2), (1024, 1), (512, 4)):
+            tk.SELECT_TUNE.update(block=sblock, num_warps=swarps)
+            for i in range(3):
+                ham.hamming_select(scored(i), k)  # thresholds in their windows
+            warm = [scored(i) for i in range(3)]
+            t_sel = graph_us(lambda i, warm=warm, k=k: ham.hamming_select(warm[i], k), 3)
+            idx = ham.hamming_select(scored(0), k).sort(-1).values
+            ref = idx if ref is None else ref
+            same = "" if torch.equal(idx, ref) else "  MISMATCH"
+            print(f"select {n // 1024}K x B{batch} tile {sblock} warps {swarps}: {t_sel:.1f} us{same}", flush=True)
+        tk.SELECT_TUNE.update(saved)
+
+
+if "selwarps" in SECTIONS:
+    selwarps_probe()

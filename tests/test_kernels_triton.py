@@ -212,8 +212,12 @@ def test_select_topk_float_triton(impl, dtype):
 
 
 @here
-@pytest.mark.parametrize("hq,hkv,per_head,d,n,k", [(8, 2, False, 64, 300, 45), (6, 3, True, 40, 200, 77)])
-def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
+@pytest.mark.parametrize(
+    "hq,hkv,per_head,d,n,k,masked",
+    [(8, 2, False, 64, 300, 45, True), (6, 3, True, 40, 200, 77, True), (8, 2, False, 64, 300, 45, False)],
+)
+def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked):
+    """masked=False: valid is None (every index attended, no mask loads)."""
     gen = torch.Generator().manual_seed(k)
     b, q = 2, 1 if not per_head else 2
     s = hq if per_head else hkv
@@ -223,9 +227,11 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k):
     indices = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(b * s * q)]).view(b, s, q, k)
     valid = torch.rand(b, s, q, k, generator=gen) < 0.7
     valid[..., 0] = True
+    if not masked:
+        valid[:] = True
     scale = d**-0.5
     ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, scale)
-    args = [t.to(DEV) for t in (query, keys, values, indices, valid)]
+    args = [t.to(DEV) for t in (query, keys, values, indices)] + [valid.to(DEV) if masked else None]
     out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, block=16, splits=3)
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU

@@ -70,7 +70,6 @@ def run_attention(
             hash_args = (torch.randn(hkv, d, bits, device=dev, dtype=f32, generator=gen),)
         data.append((q, keys, values, codes, hash_args))
     scale = d**-0.5
-    ones = torch.ones(batch, hkv, 1, k, dtype=torch.bool, device=dev)
     # each layer's threshold window (the selectors keep one per layer): 0 = cold, no previous threshold
     hints = [torch.zeros(batch * hkv, dtype=torch.int32, device=dev) for _ in range(layers)]
     cold = [torch.zeros(batch * hkv, dtype=torch.int32, device=dev) for _ in range(layers)]
@@ -101,15 +100,15 @@ def run_attention(
 
     def attend(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, idx[i], ones, scale)
+        return sparse_attention(q, kk, vv, idx[i], None, scale)
 
     def total(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, hamming_select(scored(i, hints[i]), k), ones, scale)
+        return sparse_attention(q, kk, vv, hamming_select(scored(i, hints[i]), k), None, scale)
 
     def total_plain(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, hamming_select(scored(i), k), ones, scale)
+        return sparse_attention(q, kk, vv, hamming_select(scored(i), k), None, scale)
 
     def dense(i):
         q, kk, vv, *_ = data[i]
@@ -121,7 +120,7 @@ def run_attention(
     q, kk, vv, *_ = data[0]
     b0 = slice(0, 1)
     ref = sparse_attention_reference(
-        q[b0].float(), kk[b0].float(), vv[b0].float(), idx[0][b0], ones[b0], scale
+        q[b0].float(), kk[b0].float(), vv[b0].float(), idx[0][b0], None, scale
     )
     got = attend(0)[b0].float()
     rel_err = float((got - ref).norm() / ref.norm())

@@ -192,12 +192,11 @@ def run_kernels(
     ks = [torch.randn(batch, hkv, n, d, device=dev, dtype=dt, generator=gen) for _ in range(La)]
     vs = [torch.randn(batch, hkv, n, d, device=dev, dtype=dt, generator=gen) for _ in range(La)]
     idx = [torch.rand(batch, hkv, 1, n, device=dev, generator=gen).topk(k, dim=-1).indices for _ in range(La)]
-    ones = torch.ones(batch, hkv, 1, k, dtype=torch.bool, device=dev)
     out.append(
         Row(
             "sparse_attention (split-K, GQA shared)",
             f"B{batch} Hq{hq} Hkv{hkv} d{d} K{k}",
-            graph_us(lambda i: sparse_attention(qs[i], ks[i], vs[i], idx[i], ones, d**-0.5), La),
+            graph_us(lambda i: sparse_attention(qs[i], ks[i], vs[i], idx[i], None, d**-0.5), La),
             rows_kv * k * (2 * d * 2 + 8),
         )
     )
@@ -207,7 +206,7 @@ def run_kernels(
     for blk, mult, nw, ns in ((32, 4, 4, 2), (64, 4, 4, 3), (32, 8, 4, 3), (64, 2, 8, 3), (128, 2, 8, 2)):
         sat.TUNE.update(block=blk, sm_mult=mult, num_warps=nw, num_stages=ns)
         out.append(Row(f"  attention block={blk} sm_mult={mult} warps={nw} stages={ns}", "sweep",
-                       graph_us(lambda i: sparse_attention(qs[i], ks[i], vs[i], idx[i], ones, d**-0.5), La),
+                       graph_us(lambda i: sparse_attention(qs[i], ks[i], vs[i], idx[i], None, d**-0.5), La),
                        rows_kv * k * (2 * d * 2 + 8)))  # fmt: skip
     sat.TUNE.update(default_att)
     out.append(

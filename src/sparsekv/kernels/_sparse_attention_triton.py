@@ -79,6 +79,7 @@ def _partial_kernel(
     D: tl.constexpr,
     DP: tl.constexpr,
     BLOCK: tl.constexpr,
+    VALID: tl.constexpr = True,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
@@ -109,7 +110,10 @@ def _partial_kernel(
     for j in range(start, end, BLOCK):
         offs = j + tl.arange(0, BLOCK)
         jm = offs < end
-        ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
+        if VALID:
+            ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
+        else:  # every listed index is attended: no mask loads in the gather's dependency chain
+            ok = jm
         idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
         kt = tl.load(k_base + idx[:, None] * skn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         # V issued with K: both gathers are in flight before the first dot needs K
@@ -155,7 +159,10 @@ def sparse_attention_triton(
         keys, values = keys.contiguous(), values.contiguous()
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if valid.dtype == torch.bool:
+    has_valid = valid is not None
+    if not has_valid:
+        valid = indices  # unused (VALID=False)
+    elif valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
     rows = b * s * q
     if splits is None:
@@ -193,6 +200,7 @@ def sparse_attention_triton(
         D=d,
         DP=next_pow2(d),
         BLOCK=block,
+        VALID=has_valid,
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
         **pdl_launch(query.device),

@@ -18,13 +18,16 @@ def sparse_attention_reference(
     keys: torch.Tensor,
     values: torch.Tensor,
     indices: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
-    """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq.
+    """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq
+    (valid None: every index is valid).
 
     Returns [B, Hq, Q, d]. Every row must have at least one valid index.
     """
+    if valid is None:
+        valid = torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
     num_heads = query.shape[1]
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     mask = selection_mask(indices, valid, num_keys)
@@ -41,7 +44,7 @@ def sparse_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     indices: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     scaling: float,
 ) -> torch.Tensor:
     """Dispatch: the split-K Triton kernel on CUDA (any Q, GQA through S), else the reference."""

@@ -38,25 +38,6 @@ class LayerInfo:
         return self.num_heads // self.num_kv_heads
 
 
-@dataclass
-class Selection:
-    """Selected key positions, varlen per (batch, selection head, query) through `valid`.
-
-    indices: [B, S, Q, K] int64 key positions; S = kv heads (gqa "group") or query heads (gqa "head").
-    valid:   [B, S, Q, K] bool; padding entries are False and their index is meaningless (but in range).
-    """
-
-    indices: torch.Tensor
-    valid: torch.Tensor
-
-    def counts(self) -> torch.Tensor:
-        return self.valid.sum(-1)
-
-    def to_mask(self, num_keys: int) -> torch.Tensor:
-        """[B, S, Q, N] bool mask of the selected keys."""
-        return selection_mask(self.indices, self.valid, num_keys)
-
-
 class _OnDemand:
     """A tensor field that may also be given as a function of no arguments, called on first read. The fused
     device paths never read `visible` / `forced` / `budgets` of a uniform step, so the ~10 small kernels that
@@ -76,6 +57,28 @@ class _OnDemand:
 
     def __set__(self, step, value) -> None:
         step.__dict__[self.slot] = value
+
+
+@dataclass
+class Selection:
+    """Selected key positions, varlen per (batch, selection head, query) through `valid`.
+
+    indices: [B, S, Q, K] int64 key positions; S = kv heads (gqa "group") or query heads (gqa "head").
+    valid:   [B, S, Q, K] bool; padding entries are False and their index is meaningless (but in range).
+    all_valid: every entry is valid (`every_index`): the attention kernels then read no mask, and `valid` is
+             built only if something reads it.
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor = _OnDemand()
+    all_valid: bool = False
+
+    def counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+    def to_mask(self, num_keys: int) -> torch.Tensor:
+        """[B, S, Q, N] bool mask of the selected keys."""
+        return selection_mask(self.indices, self.valid, num_keys)
 
 
 @dataclass
@@ -171,9 +174,15 @@ def topk_selection(scores: torch.Tensor, step: DecodeStep) -> Selection:
     return Selection(indices=indices, valid=valid)
 
 
+def every_index(indices: torch.Tensor) -> Selection:
+    """A selection whose entries are all valid; no mask tensor is made unless one is read."""
+    return Selection(
+        indices, lambda: torch.ones(indices.shape, dtype=torch.bool, device=indices.device), all_valid=True
+    )
+
+
 def _all_keys(shape: tuple[int, ...], n: int, device) -> Selection:
-    indices = torch.arange(n, device=device).expand(*shape, n).contiguous()
-    return Selection(indices=indices, valid=torch.ones(*shape, n, dtype=torch.bool, device=device))
+    return every_index(torch.arange(n, device=device).expand(*shape, n).contiguous())
 
 
 def _force(scores: torch.Tensor, sink: int, local: int, value, flipped: bool = False) -> torch.Tensor:
@@ -235,9 +244,7 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
         _force(flipped, hints.sink, hints.local, top, flipped=True)
     picked = select_topk(flipped, hints.max_budget, value_range=(lo, top))
     indices = (n - 1) - picked
-    return Selection(
-        indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
-    )
+    return every_index(indices)
 
 
 # The threshold window pays off from about this many scored keys per step (H200, 2% budget: 128K x 64 rows and
@@ -305,9 +312,7 @@ def _fused_hamming_core(
         if threshold_hints is None or b * key_codes.shape[1] * q * n < WINDOW_MIN_KEYS
         else threshold_hints.get(b * key_codes.shape[1] * q, key_codes.device),
     )
-    return Selection(
-        indices=indices, valid=torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
-    )
+    return every_index(indices)
 
 
 @dataclass
@@ -377,6 +382,5 @@ class TokenSelector:
 
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
         """[B, Hq, Q, d] attention of the queries over their selected tokens."""
-        return sparse_attention(
-            step.query, step.keys, step.values, selection.indices, selection.valid, scaling
-        )
+        valid = None if selection.all_valid else selection.valid
+        return sparse_attention(step.query, step.keys, step.values, selection.indices, valid, scaling)
