@@ -445,7 +445,12 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
     out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
     atomic = COMPACT_MODE["mode"] == "atomic"
-    cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out  # unused by "scan": no fill
+    # "scan" reads no counter: no fill kernel. Without one between the level passes and the compaction, the
+    # compaction launches early (PDL) and its programs sit resident while the level passes work. H200, same run:
+    # in-window step 119.0 -> 117.5 us (128K x B8) and 32.6 -> 30.8 us (32K x B1), but a window miss 76 -> 108 us
+    # and a B8 select without window 51 -> 72 us. Releasing the launch at the end of the level kernel instead gave
+    # back all four (kernel notes, v29); decoding is in the window 97-99.9% of steps, so the early launch stays.
+    cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
