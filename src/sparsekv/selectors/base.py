@@ -39,10 +39,10 @@ class LayerInfo:
 
 
 class _OnDemand:
-    """A tensor field that may also be given as a function of no arguments, called on first read. The fused
-    device paths never read `visible` / `forced` / `budgets` of a uniform step, so the ~10 small kernels that
-    build them (aranges, a cumsum over the cache length, compares, a fill) are launched only for the paths that
-    do."""
+    """A dataclass tensor field that may also be given as a function of no arguments, called once, on first read.
+    The fused device paths never read a uniform step's `visible` / `forced` / `budgets` (about ten small kernels:
+    aranges, a cumsum over the cache length, compares, a fill) nor an all-valid selection's `valid`, so those
+    kernels run only for the paths that read them."""
 
     def __set_name__(self, owner, name: str) -> None:
         self.slot = "_" + name

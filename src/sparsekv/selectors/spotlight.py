@@ -423,7 +423,7 @@ class SpotlightSelector(TokenSelector):
         """Whether the new keys' codes can wait for the step's query hash: a decode step on the GPU."""
         from sparsekv.kernels.sign_hash import PAIR_MAX_ROWS
 
-        rows = self.layer.group_size + keys.shape[-2]  # one query per kv head's group + the new keys
+        rows = (self.layer.group_size + 1) * keys.shape[-2]  # the group's queries (one per new token) + the keys
         return (
             keys.is_cuda
             and keys.dtype != torch.float64
