@@ -373,6 +373,11 @@ class SpotlightSelector(TokenSelector):
             out = fn(x.reshape(b, self.layer.num_kv_heads, group * t, d), role)
         return pack_sign_bits(out).reshape(b, h, t, -1)
 
+    def _kernel_shapes(self) -> bool:
+        """The hash's sizes fit the fused kernels' tiles (tl.arange / tl.dot: powers of two, at least 16)."""
+        fn = self.hash_fn
+        return all(n >= 16 and n & (n - 1) == 0 for n in (fn.head_dim, fn.hidden or fn.bits, fn.bits))
+
     def _folded_weights(self, role: str, device: torch.device) -> tuple | None:
         """The hash with its normalisation folded into the weights, as `sign_hash` arguments (float32 on
         `device`): (x - m) / s through W1, b1, W2, W becomes x through W1 / s, b1 - (m / s) W1, W2, W / s plus the
@@ -380,8 +385,7 @@ class SpotlightSelector(TokenSelector):
         key = (role, device)
         if key not in self._folded:
             fn = self.hash_fn
-            dims = (fn.head_dim, fn.hidden or fn.bits, fn.bits)
-            if not all(n >= 16 and n & (n - 1) == 0 for n in dims):
+            if not self._kernel_shapes():
                 self._folded[key] = None
                 return None
             with torch.no_grad():
@@ -408,8 +412,7 @@ class SpotlightSelector(TokenSelector):
         key = ("pair", device)
         if key not in self._folded:
             fn = self.hash_fn
-            dims = (fn.head_dim, fn.hidden or fn.bits, fn.bits)
-            if not all(n >= 16 and n & (n - 1) == 0 for n in dims):
+            if not self._kernel_shapes():
                 self._folded[key] = None
                 return None
             hash_args = (fn.w, None, None, None) if fn.kind == "linear" else (fn.w1, fn.w2, fn.b1, fn.w)
