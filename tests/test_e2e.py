@@ -81,12 +81,16 @@ def test_step_masks_are_built_once_on_first_read():
 
     step = _step((1, 2, 1, 5), 2, 0, 0)
     lazy = DecodeStep(step.query, step.keys, step.values, visible, step.forced, step.budgets, step.layer, "group")
-    assert calls == []
+    rotated = lazy.replace(query=step.query + 1)  # e.g. self-index's rotated query: still nothing built
+    assert calls == [] and torch.equal(rotated.query, step.query + 1) and rotated.keys is lazy.keys
     assert lazy.visible.all() and lazy.visible is lazy.visible and calls == [1]
     copy = dataclasses.replace(lazy, query=step.query + 1)
     assert copy.visible is lazy.visible and calls == [1]
+    assert rotated.visible.all() and calls == [1, 1]  # its own copy of the function, built on its own read
     with pytest.raises(TypeError):
         DecodeStep(step.query, step.keys, step.values)  # the masks have no default
+    with pytest.raises(TypeError, match="no field quuery"):
+        lazy.replace(quuery=step.query)
 
 
 def test_cpu_selection_ignores_hints():

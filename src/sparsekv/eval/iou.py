@@ -13,7 +13,6 @@ No method-specific code: any registered method is observed through the same hook
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -110,7 +109,7 @@ class SelectionObserver:
         def attend(step, selection, scaling):
             observed = step
             if shadow:
-                observed = dataclasses.replace(step, keys=torch.cat(shadow, dim=-2) if len(shadow) > 1 else shadow[0])
+                observed = step.replace(keys=torch.cat(shadow, dim=-2) if len(shadow) > 1 else shadow[0])
                 if len(shadow) > 1:
                     shadow[:] = [observed.keys]
             metrics = compare_selection(observed, selection)

@@ -13,9 +13,10 @@ causality, padding and the GQA policy. A method with another selection rule (top
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
@@ -104,6 +105,16 @@ class DecodeStep:
     layer: LayerInfo
     gqa: str
     hints: StepHints | None = None
+
+    def replace(self, **changes) -> DecodeStep:
+        """`dataclasses.replace` that leaves fields not yet built unbuilt (it would read, and so build, them)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise TypeError(f"DecodeStep has no field {', '.join(sorted(unknown))}")
+        step = copy.copy(self)
+        for name, value in changes.items():
+            setattr(step, name, value)
+        return step
 
     @property
     def selection_heads(self) -> int:

@@ -68,7 +68,7 @@ used for gqa="head" and float64. On CUDA the re-rank and the dequantizing attent
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -699,7 +699,7 @@ class SelfIndexSelector(TokenSelector):
             return step
         if self._rotated_for is None or self._rotated_for[0] is not step.query:
             self._rotated_for = (step.query, self._rotate_keys(step.query))
-        return replace(step, query=self._rotated_for[1])
+        return step.replace(query=self._rotated_for[1])
 
     def store(
         self, key_states: torch.Tensor, value_states: torch.Tensor
