@@ -59,7 +59,8 @@ def _kernels() -> dict:
                   ("N", "sqb", "sqh", "skb", "skh", "skn", "sob", "soh", "num_chunks", "blocks_per_chunk"),
                   ham.TUNE["num_warps"]),
         "attention": (sa._partial_kernel, attn_sig,
-                      {"G": 4, "GP": 16, "D": 128, "DP": 128, "BLOCK": sa.TUNE["block"], "USE_PDL": True},
+                      {"G": 4, "GP": 16, "D": 128, "DP": 128, "BLOCK": sa.TUNE["block"], "VALID": True,
+                       "USE_PDL": True},
                       ("sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "sib", "sis", "svlb", "svls",
                        "split_len"), sa.TUNE["num_warps"]),
     }  # fmt: skip

@@ -1,5 +1,6 @@
 """Machine-code properties of the hot kernels, compiled for sm_90 on this machine (scripts/kernel_sass.py): the
-selection's score loads stay 16-byte vectors on padded rows, and the GQA head adders halve the scorer's POPC."""
+selection's score loads stay 16-byte vectors on padded rows, the GQA head adders halve the scorer's POPC, and the
+attention over an all-valid selection loads no mask."""
 
 from __future__ import annotations
 
@@ -48,3 +49,8 @@ def test_head_adders_halve_the_popcounts(sass):
 
     combined, per_head = popc(sass("score")), popc(sass("score", HEADS0=0))
     assert combined <= per_head // 2 + 1, (combined, per_head)
+
+
+def test_attention_over_all_valid_selections_loads_no_mask(sass):
+    assert "LDG.E.U8" in sass("attention")  # the valid mask: one byte per index
+    assert "LDG.E.U8" not in sass("attention", VALID=False), sass("attention", VALID=False)
