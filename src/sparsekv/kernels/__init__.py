@@ -10,6 +10,8 @@ kernel, elsewhere the reference. SPARSEKV_DISABLE_TRITON=1 forces the references
     int4_qk.quantize_int4(keys) -> (packed u8, scale, zero);  int4_qk.int4_qk(q, packed, scale, zero, idx) -> fp32
     quest.quest_page_scores(q, page_min, page_max, *, group_reduce="sum") -> fp32[B,Hkv,Q,P]
     lut_score.lut_scores(q, centroids[B,Hkv,d/4,16,4], sign_codes[B,Hkv,N,d/32]) -> fp32[B,Hkv,Q,N]
-    sign_hash.sign_hash(x, w1, w2=None, b1=None) -> int32 codes          (linear LSH or MLP hash + packing)
-    sparse_attention.sparse_attention(q, keys, values, indices, valid, scaling) -> [B,Hq,Q,d]
+    sign_hash.sign_hash(x, w1, w2=None, b1=None, wr=None, b2=None) -> int32 codes   (linear or MLP hash + packing)
+    sign_hash.sign_hash_pair(q, new_keys, key_out, key_mean, key_scale, query_scale, w1, ...) -> query codes
+        (a decode step's queries and new keys in one launch; the keys' codes are written into key_out)
+    sparse_attention.sparse_attention(q, keys, values, indices, valid, scaling) -> [B,Hq,Q,d]   (valid None: all)
 """
