@@ -7,7 +7,8 @@ noise. Prints one line per run and a table last; JSON lines in $OUT/ab_e2e.jsonl
     python3 scripts/gpu_ab_e2e.py BEFORE_SRC AFTER_SRC [128k_b8,32k_b1,32k_b8] [METHOD]   (METHOD: spotlight)
 
 BEFORE_SRC / AFTER_SRC: directories that hold the `sparsekv` package (e.g. `src`, and an old revision's `src`
-exported with `git archive REV src | tar -x -C /tmp/before`). The seventh session's results/e2e_s7/ab_e2e_*.jsonl
+exported with `git archive REV src | tar -x -C /tmp/before`). A tree written `DIR:compile` runs its decode steps
+(dense and METHOD) through torch.compile: `src src:compile` measures what compiling gives. The seventh session's results/e2e_s7/ab_e2e_*.jsonl
 predate METHOD: their "spotlight_ms" is "method_ms" here.
 """
 
@@ -21,19 +22,21 @@ CONFIGS = {"128k_b8": (131072, 8), "32k_b1": (32768, 1), "32k_b8": (32768, 8)}
 RUN = r"""
 import json, sys
 from sparsekv.bench.e2e import fit_layers, run_e2e
-context, batch, method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+context, batch, method, compile = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1"
 layers = fit_layers(batch, context) if context * batch > 32768 * 8 else 32
 r = run_e2e("llama3-8b-random", layers=layers, context=context, batch=batch, method=method, budget=0.02,
-            cuda_graph=True, new_tokens=16)
+            cuda_graph=True, new_tokens=16, **({"compile": True} if compile else {}))
 d, m = r["runs"]["dense"], r["runs"]["method"]
 print("RESULT " + json.dumps({"device": r["device"], "layers": layers, "dense_ms": d["tpot_graph_ms"],
                               "method_ms": m["tpot_graph_ms"], "ratio": r["ratios"]["tpot_speedup_graph"]}))
 """
 
 
-def run(src: str, context: int, batch: int, method: str) -> dict:
+def run(tree: str, context: int, batch: int, method: str) -> dict:
+    src, _, mode = tree.partition(":")
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-c", RUN, str(context), str(batch), method], env=env,
+    args = [str(context), str(batch), method, "1" if mode == "compile" else "0"]
+    proc = subprocess.run([sys.executable, "-c", RUN, *args], env=env,
                           capture_output=True, text=True, check=False)  # fmt: skip
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):

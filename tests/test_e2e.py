@@ -254,3 +254,32 @@ def test_decode_mask_equals_sdpa_mask_outside_capture(monkeypatch):
     greedy_ids(model, config, ids[:1], None, 2)
     greedy_ids(model, config, ids, mask, 2)
     assert len(seen) >= 4 and all(seen)
+
+
+@pytest.mark.parametrize("method", ["dense", "spotlight", "self-index"])
+def test_compiled_decode_matches_eager(method):
+    """torch.compile around the model: the cache update and attention are graph breaks, every layer shares one
+    graph (more layers than dynamo's recompile limit of 8), no recompiles once warm, the same greedy tokens."""
+    from sparsekv.api import enabled
+    from sparsekv.bench.e2e import compiled_forward
+    from sparsekv.models import random_model
+
+    torch._dynamo.reset()
+    model = random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=3, num_hidden_layers=10)
+    config = SparseConfig(method=method, budget=0.25)
+    prompt = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def decode(forward, steps=6):
+        with torch.inference_mode(), enabled(model, config):
+            cache = SparseCache.for_model(model, config)
+            tok = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens = []
+            for i in range(steps):
+                pos = torch.full((2, 1), 64 + i)
+                with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, error_on_recompile=i >= 3):
+                    logits = forward(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
+                tok = logits[:, -1:].argmax(-1)
+                tokens.append(tok.flatten().tolist())
+            return tokens
+
+    assert decode(compiled_forward(model, backend="eager")) == decode(model)

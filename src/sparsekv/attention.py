@@ -104,6 +104,9 @@ def step_hints(
     return StepHints(max_budget=bound, uniform=uniform, sink=config.sink, local=config.local)
 
 
+# opaque to torch.compile: the selectors keep Python state (lengths, buffers) that changes every step, and traced
+# into a compiled model it would recompile every step; the graph breaks here and the rest of the layer compiles
+@torch.compiler.disable
 def sparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -186,6 +186,11 @@ class SparseCache(Cache):
         #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
         self.record_stats = True
 
+    @torch.compiler.disable
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        # opaque to torch.compile, like the attention function: lengths and buffers change every step
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     @classmethod
     def for_model(cls, model, config: SparseConfig, initial_capacity: int = 0) -> SparseCache:
         return cls(config, layer_infos(model), initial_capacity)

@@ -108,6 +108,9 @@ def e2e(
     ] = "auto",
     dense_layers: Annotated[str, typer.Option(help="layers kept dense: 'none' or e.g. '0,1'")] = "none",
     option: Annotated[list[str] | None, typer.Option(help="method option key=value (repeatable)")] = None,
+    compile: Annotated[
+        bool, typer.Option("--compile", help="decode steps of both through torch.compile (attention stays)")
+    ] = False,
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Whole-model decode (TPOT, tokens/s), prefill time and peak GPU memory: dense vs a method, one run."""
@@ -117,10 +120,10 @@ def e2e(
     result = run_e2e(
         model, layers=layers, context=context, batch=batch, method=method, budget=parse_budget(budget),
         top_p=top_p, new_tokens=new_tokens, cuda_graph=cuda_graph, prefill=prefill,
-        dense_layers=parse_layers(dense_layers), options=parse_options(option),
+        dense_layers=parse_layers(dense_layers), options=parse_options(option), compile=compile,
     )  # fmt: skip
     table = Table(
-        title=f"{method} vs dense: {model} ({result['layers']} layers) N{context} B{batch} budget {budget} "
+        title=f"{method} vs dense{' (compiled)' if compile else ''}: {model} ({result['layers']} layers) N{context} B{batch} budget {budget} "
         f"on {result['device']} (prefill: {result['prefill']})"
     )
     for col in ("", "dense", method, "ratio"):

@@ -12,6 +12,8 @@ preallocated SparseCache) and for the method:
   step captured in a CUDA graph and replayed (the replays re-run the captured step at a fixed cache length: the
   new token overwrites the same slot, which changes the context by one token out of N).
 - memory: peak GPU memory above the weights during prefill and decode, and the bytes the cache holds.
+- `compile`: the decode steps of both run through torch.compile (`compiled_forward`): the norms, projections,
+  rotary embedding and MLP fuse into fewer kernels, the cache update and attention stay as they are.
 
 `greedy_match` runs a random-weight model of the default model's shape on CPU (the reference path) and on the GPU
 (the kernels), in float32 from the same weights, and compares the greedy tokens of several methods.
@@ -219,11 +221,29 @@ class Setup:
     seed: int
     record_stats: bool = False  # budget stats come from the warm-up steps; timed steps skip the bookkeeping
     profile: bool = False
+    compile: bool = False
 
 
-def _decode_step(model, cache):
+def compiled_forward(model, backend: str = "inductor"):
+    """model.forward through torch.compile, for decode steps. The cache update and the attention call stay
+    outside the compiled graphs (both are `torch.compiler.disable`d: they hold Python state that changes every
+    step); what compiles is the rest of each layer: norms, projections, rotary embedding, MLP, residuals.
+    Layer indices stay unspecialised, so the layers share one graph instead of one graph each (which would pass
+    dynamo's recompile limit of 8 and leave the later layers uncompiled)."""
+    compiled = torch.compile(model.forward, backend=backend)
+
+    def forward(**kwargs):
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            return compiled(**kwargs)
+
+    return forward
+
+
+def _decode_step(model, cache, compile: bool = False):
+    forward = compiled_forward(model) if compile else model
+
     def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        out = model(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = forward(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     return step
@@ -237,7 +257,10 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
     result: dict = {"method": config.method}
     _free(device)
     base = _reset_peak(device)
-    extra = setup.warmup + setup.new_tokens + 8
+    # with `compile` the model's graphs compile in the first step and once more when the cache length has
+    # changed (then with a dynamic length)
+    warmup = max(setup.warmup, 3 if setup.compile else 0)
+    extra = warmup + setup.new_tokens + 8
     with torch.inference_mode(), enabled(model, config):
 
         def new_cache(tokens: int) -> SparseCache:
@@ -259,10 +282,10 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
         result["prefill_mode"] = setup.prefill
         result["prefill_peak_bytes"] = _peak_above(device, base)
         result["cached_tokens"] = cached
-        step = _decode_step(model, cache)
+        step = _decode_step(model, cache, setup.compile)
         pos = torch.full((setup.batch, 1), cached, dtype=torch.long, device=device)
         _reset_peak(device)
-        for _ in range(setup.warmup):  # compiles kernels, grows selector buffers once, records the budgets
+        for _ in range(warmup):  # compiles kernels, grows selector buffers once, records the budgets
             tok = step(tok, pos)
             pos = pos + 1
         cache.record_stats = setup.record_stats
@@ -377,8 +400,10 @@ def run_e2e(
     seed: int = 0,
     model_obj=None,
     profile: bool = False,
+    compile: bool = False,
 ) -> dict:
-    """Dense and `method` on the same model and inputs; see the module docstring. Returns a JSON-able dict."""
+    """Dense and `method` on the same model and inputs; see the module docstring. Returns a JSON-able dict.
+    `compile`: decode steps (of both) run through `compiled_forward`."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if prefill == "auto":
@@ -399,7 +424,7 @@ def run_e2e(
     method_cfg = SparseConfig(
         method=method, budget=budget, top_p=top_p, dense_layers=dense_layers, options=options or {}
     )
-    setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed, profile=profile)
+    setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed, profile=profile, compile=compile)
     runs = {"dense": run_one(net, dense_cfg, setup), "method": run_one(net, method_cfg, setup)}
     d, m = runs["dense"], runs["method"]
     return {
@@ -420,6 +445,7 @@ def run_e2e(
         "new_tokens": new_tokens,
         "prefill": prefill,
         "cuda_graph": cuda_graph,
+        "compile": compile,
         "runs": runs,
         "ratios": {
             "tpot_speedup": _ratio(d["tpot_ms"], m["tpot_ms"]),
