@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,layout,selwarps]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,layout,selwarps,merge]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -429,3 +429,53 @@ def selwarps_probe():
 
 if "selwarps" in SECTIONS:
     selwarps_probe()
+
+
+def merge_probe():
+    """The split-K partials merged by each row's last program (tickets) against the separate combine kernel:
+    attention alone, then the whole spotlight step (`run_attention`), the two variants alternating in one
+    process; each merged output checked against the combine kernel's."""
+    from sparsekv.bench.attention import run_attention
+    from sparsekv.kernels import _sparse_attention_triton as sa
+    from sparsekv.kernels import sparse_attention as sa_api
+
+    def attend_only(batch, n):
+        k = int(0.02 * n)
+        qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
+        ks = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        vs = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
+        idx = [torch.rand(batch, HKV, 1, n, device=dev, generator=gen).argsort(-1)[..., :k] for _ in range(2)]
+        tickets = [torch.zeros(batch * HKV, dtype=torch.int32, device=dev) for _ in range(2)]
+
+        def combine(i):
+            return sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], None, D**-0.5)
+
+        def merged(i):
+            return sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], None, D**-0.5, tickets=tickets[i])
+
+        same = torch.equal(combine(0), merged(0))
+        for _ in range(2):
+            t_comb, t_merge = graph_us(combine, 2), graph_us(merged, 2)
+            print(f"attend {n // 1024}K x B{batch}: combine kernel {t_comb:.1f} us, merged by the last split "
+                  f"{t_merge:.1f} us (same output: {same}, tickets zero: {not any(t.any() for t in tickets)})",
+                  flush=True)  # fmt: skip
+
+    for batch, n in ((8, 131072), (1, 32768)):
+        attend_only(batch, n)
+    plain = sa_api.sparse_attention
+    for _ in range(2):
+        for label in ("combine", "merged"):
+            if label == "combine":
+                sa_api.sparse_attention = lambda *a, tickets=None, **kw: plain(*a, **kw)
+            for batch, n in ((8, 131072), (1, 32768)):
+                r = run_attention("spotlight", batch=batch, context=n, budget=0.02)
+                us = {row["name"]: row["us"] for row in r["rows"]}
+                print(f"RESULT {label:8s} {batch} {n:6d} attend {us['attend (split-K over gathered K/V)']:.1f} | "
+                      f"total {us['total sparse step']:.1f} | dense {us['dense SDPA']:.1f} | "
+                      f"x {r['speedup_vs_dense']:.2f}", flush=True)  # fmt: skip
+            sa_api.sparse_attention = plain
+        torch.cuda.empty_cache()
+
+
+if "merge" in SECTIONS:
+    merge_probe()

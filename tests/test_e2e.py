@@ -128,7 +128,7 @@ for n, k, sink, local, hi in [(300, 17, 0, 0, 512), (301, 40, 2, 3, 512), (129, 
 # the fused Hamming select (scoring + forcing + ties + select in the kernels) == the CPU rule on the scores
 from sparsekv.kernels.hamming import hamming_scores_reference
 from sparsekv.selectors import base
-from sparsekv.selectors.base import ThresholdHints, _fused_hamming_core
+from sparsekv.selectors.base import RowBuffer, _fused_hamming_core
 base.WINDOW_MIN_KEYS = 0  # the window at every size
 for n, k, sink, local, bits in [(300, 17, 0, 0, 128), (301, 40, 2, 3, 64), (1000, 20, 1, 0, 32), (60, 60, 0, 0, 32)]:
     w = bits // 32
@@ -144,7 +144,7 @@ for n, k, sink, local, bits in [(300, 17, 0, 0, 128), (301, 40, 2, 3, 64), (1000
     lean = DecodeStep(step.query, step.keys, step.values, unread, unread, unread, layer, "group", step.hints)
     fast = _fused_hamming_core(qc.to(dev), kc.to(dev), bits, lean)
     assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, k, sink, local, bits)
-    hints = ThresholdHints()  # the selectors' threshold window: a first (cold) and a second (warm) step
+    hints = RowBuffer()  # the selectors' threshold window: a first (cold) and a second (warm) step
     for _ in range(2):
         fast = _fused_hamming_core(qc.to(dev), kc.to(dev), bits, step, hints)
         assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, k, sink, local, bits, "hints")

@@ -212,12 +212,15 @@ def test_select_topk_float_triton(impl, dtype):
 
 
 @here
+@pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize(
     "hq,hkv,per_head,d,n,k,masked",
-    [(8, 2, False, 64, 300, 45, True), (6, 3, True, 40, 200, 77, True), (8, 2, False, 64, 300, 45, False)],
+    [(8, 2, False, 64, 300, 45, True), (6, 3, True, 40, 200, 77, True), (8, 2, False, 64, 300, 45, False),
+     (12, 4, False, 64, 300, 45, False)],
 )
-def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked):
-    """masked=False: valid is None (every index attended, no mask loads)."""
+def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked, merge):
+    """masked=False: valid is None (every index attended, no mask loads). merge: the row's last split merges
+    the partials (tickets), twice on one buffer, which must be zero again after each call."""
     gen = torch.Generator().manual_seed(k)
     b, q = 2, 1 if not per_head else 2
     s = hq if per_head else hkv
@@ -232,9 +235,14 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked):
     scale = d**-0.5
     ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, scale)
     args = [t.to(DEV) for t in (query, keys, values, indices)] + [valid.to(DEV) if masked else None]
-    out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, block=16, splits=3)
-    err = (out.cpu().double() - ref).norm() / ref.norm()
-    assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU
+    tickets = torch.zeros(b * s * q + 3, dtype=torch.int32, device=DEV) if merge else None
+    for _ in range(2 if merge else 1):
+        out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, tickets=tickets, block=16,
+                                                                       splits=3)  # fmt: skip
+        err = (out.cpu().double() - ref).norm() / ref.norm()
+        assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU
+        if merge:
+            assert not tickets.any()
 
 
 @here

@@ -73,6 +73,8 @@ def run_attention(
     # each layer's threshold window (the selectors keep one per layer): 0 = cold, no previous threshold
     hints = [torch.zeros(batch * hkv, dtype=torch.int32, device=dev) for _ in range(layers)]
     cold = [torch.zeros(batch * hkv, dtype=torch.int32, device=dev) for _ in range(layers)]
+    # and its split-K attention's tickets (the row's last split merges the partials: no combine launch)
+    tickets = [torch.zeros(batch * hkv, dtype=torch.int32, device=dev) for _ in range(layers)]
 
     def scored(i, hint=None):
         q, _, _, c, h = data[i]
@@ -100,15 +102,15 @@ def run_attention(
 
     def attend(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, idx[i], None, scale)
+        return sparse_attention(q, kk, vv, idx[i], None, scale, tickets=tickets[i])
 
     def total(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, hamming_select(scored(i, hints[i]), k), None, scale)
+        return sparse_attention(q, kk, vv, hamming_select(scored(i, hints[i]), k), None, scale, tickets=tickets[i])
 
     def total_plain(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, hamming_select(scored(i), k), None, scale)
+        return sparse_attention(q, kk, vv, hamming_select(scored(i), k), None, scale, tickets=tickets[i])
 
     def dense(i):
         q, kk, vv, *_ = data[i]

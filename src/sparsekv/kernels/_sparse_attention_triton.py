@@ -2,7 +2,8 @@
 
 One program owns one (batch, selection head, query) row and one slice of its index list; it gathers each listed
 K/V row once and uses it for every query head that the row serves (the GQA group when S = Hkv, one head when
-S = Hq). Partial outputs + log-sum-exp per slice are merged by a second small kernel.
+S = Hq). Partial outputs + log-sum-exp per slice are merged either by the row's last program to finish (with
+`tickets`: a caller-owned int32 counter per row, zero between launches) or by a second small kernel.
 """
 
 from __future__ import annotations
@@ -43,6 +44,35 @@ def store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, cols
 
 
 @triton.jit
+def merge_if_last(o_ptr, lse_ptr, out_ptr, tickets_ptr, r, row0, row_step, num_splits, D: tl.constexpr,
+                  DP: tl.constexpr, G: tl.constexpr, GC: tl.constexpr, SP: tl.constexpr):  # fmt: skip
+    """After a split's `store_split_partial`: the row's last split to arrive merges the partials of its G output
+    rows (row0 + h * row_step) into out (what `_combine_kernel` does, without its launch) and zeroes the
+    row's ticket for the next launch."""
+    tl.debug_barrier()  # every thread's partial stores come before the ticket, which releases them (acq_rel)
+    ticket = tl.atomic_add(tickets_ptr + r, 1, sem="acq_rel")
+    if ticket == num_splits - 1:
+        heads = tl.arange(0, GC)
+        sp = tl.arange(0, SP)
+        d = tl.arange(0, DP)
+        rows = row0 + heads * row_step
+        ok = (heads < G)[:, None] & (sp < num_splits)[None, :]
+        # the other splits' partials were written on other SMs: read them from L2 (.cg), not this SM's L1
+        lse = tl.load(lse_ptr + rows[:, None] * num_splits + sp[None, :], mask=ok, other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+        m = tl.max(lse, axis=1)
+        m = tl.where(m == float("-inf"), 0.0, m)  # padding heads: every weight 0
+        w = tl.where(lse == float("-inf"), 0.0, tl.exp2(lse - m[:, None]))
+        o = tl.load(o_ptr + (rows[:, None, None] * num_splits + sp[None, :, None]) * D + d[None, None, :],
+                    mask=ok[:, :, None] & (d < D)[None, None, :], other=0.0, cache_modifier=".cg")  # fmt: skip
+        total = tl.sum(w, axis=1)
+        res = tl.sum(o * w[:, :, None], axis=1) / tl.where(total > 0, total, 1.0)[:, None]  # padding heads: 0
+        tl.store(out_ptr + rows[:, None] * D + d[None, :], res.to(out_ptr.dtype.element_ty),
+                 mask=(heads < G)[:, None] & (d < D)[None, :])  # fmt: skip
+        tl.store(tickets_ptr + r, 0)
+
+
+@triton.jit
 def _partial_kernel(
     q_ptr,
     k_ptr,
@@ -51,6 +81,8 @@ def _partial_kernel(
     valid_ptr,
     o_ptr,
     lse_ptr,
+    out_ptr,
+    tickets_ptr,
     S,
     Q,
     K,
@@ -80,6 +112,9 @@ def _partial_kernel(
     DP: tl.constexpr,
     BLOCK: tl.constexpr,
     VALID: tl.constexpr = True,
+    MERGE: tl.constexpr = False,
+    GC: tl.constexpr = 1,
+    SP: tl.constexpr = 1,
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
@@ -124,6 +159,9 @@ def _partial_kernel(
         acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt)
     row = (b.to(tl.int64) * HQ + s * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
     store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, d, D, hmask, dmask)
+    if MERGE:
+        merge_if_last(o_ptr, lse_ptr, out_ptr, tickets_ptr, r, (b.to(tl.int64) * HQ + s * G) * Q + qi, Q,
+                      num_splits, D, DP, G, GC, SP)  # fmt: skip
 
 
 @triton.jit
@@ -147,7 +185,8 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl
 
 
 def sparse_attention_triton(
-    query, keys, values, indices, valid, scaling, *, block: int | None = None, splits: int | None = None
+    query, keys, values, indices, valid, scaling, *, tickets=None, block: int | None = None,
+    splits: int | None = None,
 ):
     block = block or TUNE["block"]
     b, hq, q, d = query.shape
@@ -174,6 +213,8 @@ def sparse_attention_triton(
     splits = max(1, triton.cdiv(kk, split_len))
     o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
     lse = torch.empty(b * hq * q, splits, dtype=torch.float32, device=query.device)
+    out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
+    merge = tickets is not None
     _partial_kernel[(splits, rows)](
         query,
         keys,
@@ -182,6 +223,8 @@ def sparse_attention_triton(
         valid,
         o_part,
         lse,
+        out,
+        tickets if merge else lse,
         s,
         q,
         kk,
@@ -201,11 +244,15 @@ def sparse_attention_triton(
         DP=next_pow2(d),
         BLOCK=block,
         VALID=has_valid,
+        MERGE=merge,
+        GC=next_pow2(heads_per_row),
+        SP=next_pow2(splits),
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
         **pdl_launch(query.device),
     )
-    out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
+    if merge:
+        return out
     _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits),
                                    **pdl_launch(query.device))  # fmt: skip
     return out

@@ -20,9 +20,11 @@ def sparse_attention_reference(
     indices: torch.Tensor,
     valid: torch.Tensor | None,
     scaling: float,
+    *,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq
-    (valid None: every index is valid).
+    (valid None: every index is valid). tickets: see `sparse_attention` (the result does not depend on it).
 
     Returns [B, Hq, Q, d]. Every row must have at least one valid index.
     """
@@ -46,9 +48,22 @@ def sparse_attention(
     indices: torch.Tensor,
     valid: torch.Tensor | None,
     scaling: float,
+    *,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the split-K Triton kernel on CUDA (any Q, GQA through S), else the reference."""
+    """Dispatch: the split-K Triton kernel on CUDA (any Q, GQA through S), else the reference.
+
+    tickets: int32 [B * S * Q] zeros, owned by the caller and zero again after each call (e.g. a selector's
+    `RowBuffer`): the split-K kernel then merges each row's partial outputs in the row's last program, one launch
+    fewer. One call at a time per buffer (the counters are shared state)."""
     from sparsekv.kernels._triton import use_triton
+
+    if tickets is not None:
+        rows = indices.shape[0] * indices.shape[1] * indices.shape[2]
+        if tickets.dtype != torch.int32 or tickets.numel() < rows or not tickets.is_contiguous():
+            raise ValueError(f"tickets must be a contiguous int32 tensor of at least {rows} zeros")
+        if tickets.device != query.device:
+            raise ValueError(f"tickets are on {tickets.device}, the query on {query.device}")
 
     if (
         use_triton(query, keys, values, indices)
@@ -58,5 +73,5 @@ def sparse_attention(
     ):
         from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
 
-        return sparse_attention_triton(query, keys, values, indices, valid, scaling)
+        return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets)
     return sparse_attention_reference(query, keys, values, indices, valid, scaling)

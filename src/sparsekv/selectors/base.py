@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -263,10 +263,12 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
 WINDOW_MIN_KEYS = 1 << 22
 
 
-class ThresholdHints:
-    """A selector's int32 buffer of each row's last Hamming top-k threshold: the fused select centres its first
-    histogram on it (a speed hint; results never depend on it). Allocated outside CUDA graph capture only, so a
-    captured step reads and updates the same buffer on every replay."""
+class RowBuffer:
+    """A selector's int32 buffer of one value per row that lives across its decode steps: each row's last Hamming
+    top-k threshold (the fused select centres its first histogram on it: a speed hint, results never depend on
+    it), or the split-K attention's tickets. Zeros when allocated, and allocated outside CUDA graph capture only
+    (`get` is None while capturing before it exists), so a captured step reads and updates the same buffer on
+    every replay."""
 
     def __init__(self) -> None:
         self.buffer: torch.Tensor | None = None
@@ -285,7 +287,7 @@ def fused_hamming_selection(
     key_codes: torch.Tensor,
     bits: int,
     step: DecodeStep,
-    hints: ThresholdHints | None = None,
+    hints: RowBuffer | None = None,
 ) -> Selection | None:
     """Device fast path of a Hamming top-k on a uniform step with group-summed GQA: scoring, sink/local forcing,
     ties to the more recent key and the sort-free select in the fused kernels (no score tensor round trips, no
@@ -301,7 +303,7 @@ def fused_hamming_selection(
 
 
 def _fused_hamming_core(
-    query_codes, key_codes, bits: int, step: DecodeStep, threshold_hints: ThresholdHints | None = None
+    query_codes, key_codes, bits: int, step: DecodeStep, threshold_hints: RowBuffer | None = None
 ) -> Selection:
     """`fused_hamming_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
     from sparsekv.kernels._hamming_triton import hamming_topk_triton
@@ -332,6 +334,8 @@ class TokenSelector:
 
     config: SparseConfig
     layer: LayerInfo
+    #: the split-K attention's per-row counters (`attention_tickets`)
+    split_tickets: RowBuffer = field(default_factory=RowBuffer, init=False, repr=False, compare=False)
 
     name: ClassVar[str] = ""
     #: attend densely, no selection (the `dense` method)
@@ -394,4 +398,12 @@ class TokenSelector:
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
         """[B, Hq, Q, d] attention of the queries over their selected tokens."""
         valid = None if selection.all_valid else selection.valid
-        return sparse_attention(step.query, step.keys, step.values, selection.indices, valid, scaling)
+        return sparse_attention(step.query, step.keys, step.values, selection.indices, valid, scaling,
+                                tickets=self.attention_tickets(selection, step.query.device))  # fmt: skip
+
+    def attention_tickets(self, selection: Selection, device: torch.device) -> torch.Tensor | None:
+        """The split-K attention's per-row tickets on CUDA (one launch fewer per step), else None."""
+        if device.type != "cuda":
+            return None
+        b, s, q, _ = selection.indices.shape
+        return self.split_tickets.get(b * s * q, device)

@@ -19,8 +19,8 @@ from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
 from sparsekv.selectors.base import (
     DecodeStep,
+    RowBuffer,
     Selection,
-    ThresholdHints,
     TokenSelector,
     fused_hamming_selection,
     to_selection_heads,
@@ -135,7 +135,7 @@ class LSHSelector(TokenSelector):
             raise ConfigError("lsh seed must be an int")
 
     def __post_init__(self) -> None:
-        self.threshold_hints = ThresholdHints()
+        self.threshold_hints = RowBuffer()
         self.projection = projection_matrix(
             self.layer.head_dim, self.bits, self.variant, self.seed * 100_003 + self.layer.layer_idx
         )

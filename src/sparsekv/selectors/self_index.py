@@ -1034,7 +1034,8 @@ class SelfIndexSelector(TokenSelector):
             return self.unrotate_values(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
             keys, values = self._store.view("k_full"), self._store.view("v_full")
-            out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling)
+            out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
+                                   tickets=self.attention_tickets(selection, step.query.device))  # fmt: skip
             return self.unrotate_values(out)
         query = step.query
         b, hq, q_len, d = query.shape

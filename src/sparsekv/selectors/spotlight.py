@@ -47,8 +47,8 @@ from sparsekv.kernels.hamming import hamming_scores
 from sparsekv.selectors.base import (
     DecodeStep,
     LayerInfo,
+    RowBuffer,
     Selection,
-    ThresholdHints,
     TokenSelector,
     fused_hamming_selection,
     int_topk_selection,
@@ -345,7 +345,7 @@ class SpotlightSelector(TokenSelector):
             check_fingerprint(read_header(ckpt)["fingerprint"], model, f"spotlight checkpoint {ckpt!r}")
 
     def __post_init__(self) -> None:
-        self.threshold_hints = ThresholdHints()
+        self.threshold_hints = RowBuffer()
         self.hash_fn = copy.deepcopy(
             resolve_hash(self.layer, self.checkpoint, self.bits, self.hash, self.seed)
         )
