@@ -238,7 +238,7 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked, merge
     tickets = torch.zeros(b * s * q + 3, dtype=torch.int32, device=DEV) if merge else None
     for _ in range(2 if merge else 1):
         out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, tickets=tickets, block=16,
-                                                                       splits=3)  # fmt: skip
+                                                                       splits=3, merge=merge)  # fmt: skip
         err = (out.cpu().double() - ref).norm() / ref.norm()
         assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU
         if merge:
