@@ -225,12 +225,13 @@ class Setup:
 
 
 def compiled_forward(model, backend: str = "inductor"):
-    """model.forward through torch.compile, for decode steps. The cache update and the attention call stay
+    """The model's call through torch.compile, for decode steps. The cache update and the attention call stay
     outside the compiled graphs (both are `torch.compiler.disable`d: they hold Python state that changes every
     step); what compiles is the rest of each layer: norms, projections, rotary embedding, MLP, residuals.
-    Layer indices stay unspecialised, so the layers share one graph instead of one graph each (which would pass
-    dynamo's recompile limit of 8 and leave the later layers uncompiled)."""
-    compiled = torch.compile(model.forward, backend=backend)
+    The whole module is compiled, not `model.forward`: its forward pre-hook (`sparsekv.enable`'s) attaches the
+    cache that the attention reads. Layer indices stay unspecialised, so the layers share one graph instead of
+    one graph each (which would pass dynamo's recompile limit of 8 and leave the later layers uncompiled)."""
+    compiled = torch.compile(model, backend=backend)
 
     def forward(**kwargs):
         with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
