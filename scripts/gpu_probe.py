@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,chunk,layout,selwarps,merge]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,layout,selwarps,merge]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -357,59 +357,6 @@ def pair_probe():
 
 if "pair" in SECTIONS:
     pair_probe()
-
-
-def chunk_probe():
-    """The decode hash's hidden layer in chunks (`TUNE["hidden_chunk"]`, a software-pipelined loop) against the
-    whole layer at once, for each output-bit split (`cols`): the pair launch at B8 and B1, each checked against
-    the torch reference. Then the whole spotlight step (`run_attention`: its query hash takes the same path) with
-    the whole layer and with the best chunking at B8, alternating."""
-    from sparsekv.bench.attention import run_attention
-    from sparsekv.kernels.bits import popcount32
-    from sparsekv.kernels.sign_hash import sign_hash_pair, sign_hash_pair_reference
-
-    mean, kscale, qscale = 0.1 * torch.randn(HKV, D, device=dev), torch.rand(HKV, device=dev) + 0.5, torch.rand(
-        HKV, device=dev) + 0.5  # fmt: skip
-    weights = (w[0], w[1] * 0.1, b1, w[2])
-    saved = dict(sh.TUNE)
-    best = {}
-    for batch in (8, 1):
-        qs = [torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-        ks = [torch.randn(batch, HKV, 1, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-        buffers = [torch.zeros(batch, HKV, 64, 4, dtype=torch.int32, device=dev) for _ in range(4)]
-        ref_buf = torch.zeros(batch, HKV, 1, 4, dtype=torch.int32, device=dev)
-        ref_q = sign_hash_pair_reference(qs[0], ks[0], ref_buf, mean, kscale, qscale, *weights)
-
-        def pair(i, qs=qs, ks=ks, buffers=buffers):
-            return sign_hash_pair(qs[i], ks[i], buffers[i][:, :, 5:6], mean, kscale, qscale, *weights)
-
-        for cols in (64, 128, 32):
-            for chunk in (0, 16, 32, 64):
-                sh.TUNE.update(cols=cols, hidden_chunk=chunk)
-                t = graph_us(pair, 4)
-                got_q = pair(0)
-                flips = int(popcount32(got_q ^ ref_q).sum()) + int(popcount32(buffers[0][:, :, 5:6] ^ ref_buf).sum())
-                print(f"pair hash B{batch} cols {cols:3d} hidden_chunk {chunk:2d}: {t:.1f} us (bits flipped: {flips})",
-                      flush=True)  # fmt: skip
-                if batch == 8 and flips == 0 and (not best or t < best["us"]):
-                    best = {"us": t, "cols": cols, "hidden_chunk": chunk}
-    print(f"best at B8: {best}", flush=True)
-    for batch, n in ((8, 131072), (1, 32768)):
-        for label, tune in (("whole", {"cols": 64, "hidden_chunk": 0}), ("best", best)):
-            sh.TUNE.update(saved)
-            sh.TUNE.update({k: v for k, v in tune.items() if k != "us"})
-            r = run_attention("spotlight", batch=batch, context=n, budget=0.02)
-            us = {row["name"]: row["us"] for row in r["rows"]}
-            print(f"RESULT {label:5s} {batch} {n:6d} score {us['score (hash + hamming + window histogram)']:.1f} | "
-                  f"total {us['total sparse step']:.1f} | dense {us['dense SDPA']:.1f} | x {r['speedup_vs_dense']:.2f}",
-                  flush=True)  # fmt: skip
-            torch.cuda.empty_cache()
-    sh.TUNE.clear()
-    sh.TUNE.update(saved)
-
-
-if "chunk" in SECTIONS:
-    chunk_probe()
 
 
 def layout_probe():

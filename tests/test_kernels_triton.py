@@ -251,16 +251,14 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked, merge
     [(True, False, 128, False), (False, False, 128, False), (True, True, 128, False), (False, True, 128, False),
      (True, True, 32, False), (True, True, 64, True), (True, False, 128, True)],
 )  # fmt: skip
-@pytest.mark.parametrize("chunk", [0, 32])
-def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early, chunk):
+def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early):
     """cols: output bits per program for decode queries (the MLP's hidden layer is recomputed in each); early:
-    the second layer's weights loaded before the first dot; chunk: the hidden layer (64 units) in chunks."""
+    the second layer's weights loaded before the first dot."""
     from sparsekv.kernels.sign_hash import sign_hash_reference
 
     mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
     monkeypatch.setitem(mod.TUNE, "cols", cols)
     monkeypatch.setitem(mod.TUNE, "early", early)
-    monkeypatch.setitem(mod.TUNE, "hidden_chunk", chunk)
     gen = torch.Generator().manual_seed(11)
     x = torch.randn(2, 6, 3, 32, generator=gen)
     w1 = torch.randn(2, 32, 64 if mlp else 128, generator=gen)
@@ -281,8 +279,7 @@ def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early, chunk):
 @here
 @pytest.mark.parametrize("kind,group,new,cols,early", [("mlp", 4, 1, 64, False), ("mlp", 3, 2, 128, True),
                                                       ("linear", 4, 1, 64, False), ("mlp", 1, 5, 32, False)])
-@pytest.mark.parametrize("chunk", [0, 32])
-def test_sign_hash_pair_triton(monkeypatch, kind, group, new, cols, early, chunk):
+def test_sign_hash_pair_triton(monkeypatch, kind, group, new, cols, early):
     """Queries + new keys in one launch == the reference, keys written into a slice of a larger code buffer."""
     from sparsekv.kernels.bits import popcount32
     from sparsekv.kernels.sign_hash import sign_hash_pair_reference
@@ -290,7 +287,6 @@ def test_sign_hash_pair_triton(monkeypatch, kind, group, new, cols, early, chunk
     mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
     monkeypatch.setitem(mod.TUNE, "cols", cols)
     monkeypatch.setitem(mod.TUNE, "early", early)
-    monkeypatch.setitem(mod.TUNE, "hidden_chunk", chunk)
     gen = torch.Generator().manual_seed(group * 10 + new)
     b, hkv, d, bits = 2, 3, 32, 128
     query = torch.randn(b, hkv * group, 1, d, generator=gen)

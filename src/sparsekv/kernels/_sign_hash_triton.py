@@ -13,42 +13,20 @@ import triton.language as tl
 from sparsekv.kernels._tl_utils import pdl_enter
 from sparsekv.kernels._triton import pdl_launch
 
-# output bits per program for decode queries; early: load the second layer's weights before the first dot;
-# hidden_chunk: decode hashes run the MLP's hidden layer in chunks of this many units (0: all at once), see
-# hash_outputs (scripts/gpu_probe.py hash / pair sweep them)
-TUNE = {"cols": 64, "early": False, "hidden_chunk": 32}
+# output bits per program for decode queries; early: load the second layer's weights before the first dot
+# (scripts/gpu_probe.py hash sweeps both)
+TUNE = {"cols": 64, "early": False}
 
 
 @triton.jit
 def hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D: tl.constexpr,
                  HID: tl.constexpr, BITS: tl.constexpr, MLP: tl.constexpr, BIAS: tl.constexpr, RESID: tl.constexpr,
-                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr, HCHUNK: tl.constexpr = 0):  # fmt: skip
+                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
     """Rows x [BM, D] of one kv head through x @ W1 (+ b1, SiLU, @ W2) (+ x @ Wr): output columns
     [cb * COLS, (cb + 1) * COLS) in float32."""
     d = tl.arange(0, D)
-    kb = cb * COLS + tl.arange(0, COLS)
-    if MLP and HCHUNK > 0 and HCHUNK < HID:
-        # The hidden layer in chunks of HCHUNK units: silu(x @ W1[:, chunk] + b1[chunk]) @ W2[chunk, :] summed over
-        # the chunks. The loop is software-pipelined: the next chunks' W1 columns and W2 rows load while this one
-        # is on the tensor cores, and no whole W1 tile sits in registers (255 of them with 3xTF32, a decode hash
-        # being one long load -> dot -> load -> dot chain per program).
-        x = x.to(w1_ptr.dtype.element_ty)
-        if RESID:  # in flight during the loop
-            wr = tl.load(wr_ptr + kvh.to(tl.int64) * D * BITS + d[:, None] * BITS + kb[None, :])
-        acc = tl.zeros([x.shape[0], COLS], dtype=tl.float32)
-        for h0 in tl.range(0, HID, HCHUNK, num_stages=3):
-            hid = h0 + tl.arange(0, HCHUNK)
-            w1 = tl.load(w1_ptr + kvh.to(tl.int64) * sw1h + d[:, None] * sw1d + hid[None, :])
-            y = tl.dot(x, w1, input_precision=PREC)  # [BM, HCHUNK] fp32
-            if BIAS:
-                y += tl.load(b1_ptr + kvh * HID + hid)[None, :].to(tl.float32)
-            y = y * tl.sigmoid(y)
-            w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
-            acc += tl.dot(y.to(w2.dtype), w2, input_precision=PREC)
-        if RESID:
-            acc += tl.dot(x, wr, input_precision=PREC)
-        return acc
     hid = tl.arange(0, HID)
+    kb = cb * COLS + tl.arange(0, COLS)
     w1 = tl.load(w1_ptr + kvh.to(tl.int64) * sw1h + d[:, None] * sw1d + hid[None, :])
     if MLP and EARLY:  # the second layer's weights in flight with the first's, not after the first dot
         w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
@@ -107,7 +85,6 @@ def _sign_hash_kernel(
     USE_PDL: tl.constexpr = False,
     COLS: tl.constexpr = 32,
     EARLY: tl.constexpr = False,
-    HCHUNK: tl.constexpr = 0,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
@@ -124,7 +101,7 @@ def _sign_hash_kernel(
         other=0.0,
     )
     y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, BIAS,
-                     RESID, PREC, COLS, EARLY, HCHUNK)  # fmt: skip
+                     RESID, PREC, COLS, EARLY)  # fmt: skip
     kb = cb * COLS + tl.arange(0, COLS)
     if BIAS2:
         y += tl.load(b2_ptr + kvh * BITS + kb)[None, :].to(tl.float32)
@@ -174,7 +151,6 @@ def _sign_hash_pair_kernel(
     BM: tl.constexpr,
     COLS: tl.constexpr,
     EARLY: tl.constexpr = False,
-    HCHUNK: tl.constexpr = 0,
     USE_PDL: tl.constexpr = False,
 ):
     """Queries and new keys of one kv head in one tile: rows [0, MQ) are the group's queries (x / query scale),
@@ -197,7 +173,7 @@ def _sign_hash_pair_kernel(
     scale = tl.where(is_q, tl.load(qscale_ptr + kvh), tl.load(kscale_ptr + kvh))
     x = tl.where(is_q[:, None], xq.to(tl.float32), xk.to(tl.float32) - mean[None, :]) / scale[:, None]
     y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, True,
-                     RESID, PREC, COLS, EARLY, HCHUNK)  # fmt: skip
+                     RESID, PREC, COLS, EARLY)  # fmt: skip
     words = packed_signs(y, BM, COLS)
     W: tl.constexpr = BITS // 32
     w = cb * (COLS // 32) + tl.arange(0, COLS // 32)
@@ -205,12 +181,6 @@ def _sign_hash_pair_kernel(
              mask=is_q[:, None])  # fmt: skip
     tl.store(outk_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + kt[:, None] * sot + w[None, :], words,
              mask=is_k[:, None])  # fmt: skip
-
-
-def _hidden_chunk(hid: int) -> int:
-    chunk = TUNE["hidden_chunk"]
-    # tl.dot needs chunks of at least 16 units; a chunk that does not divide the hidden layer runs it whole
-    return chunk if chunk >= 16 and hid % chunk == 0 else 0
 
 
 def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
@@ -262,7 +232,6 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
         BM=bm,
         COLS=cols,
         EARLY=TUNE["early"],
-        HCHUNK=_hidden_chunk(hid) if bm < 128 else 0,
         num_warps=8 if cols > 256 or w1.dtype == torch.float32 else 4,
         **pdl_launch(x.device),
     )
@@ -319,7 +288,6 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         BM=max(16, triton.next_power_of_2(mq + t)),
         COLS=cols,
         EARLY=TUNE["early"],
-        HCHUNK=_hidden_chunk(hid),
         num_warps=8 if w1.dtype == torch.float32 else 4,
         **pdl_launch(query.device),
     )
