@@ -2,7 +2,8 @@
 b2) on the tensor cores, sign, pack. float32 weights run as 3xTF32 with 8 warps: about float32 accuracy on the
 tensor cores. Measured on the H200 for a Llama-3-8B query batch of 8 (scripts/gpu_probe.py hash), all 128 bits in
 one program: 3xTF32 12.1 us with 8 warps but 181 us with 4 (register spills), IEEE fp32 26 / 236 us, plain TF32
-or bf16 6-8 us. Two programs of 64 bits each (the default for decode queries): 3xTF32 9.5 us; four of 32: 15 us."""
+or bf16 6-8 us. Two programs of 64 bits each: 3xTF32 9.5 us; four of 32: 15 us. Decode hashes split the bits as
+finely as one program per SM allows (`decode_cols`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,23 @@ import triton.language as tl
 from sparsekv.kernels._tl_utils import pdl_enter
 from sparsekv.kernels._triton import pdl_launch
 
-# output bits per program for decode queries; early: load the second layer's weights before the first dot
-# (scripts/gpu_probe.py hash sweeps both)
-TUNE = {"cols": 64, "early": False}
+# output bits per program for decode queries ("auto": `decode_cols`); early: load the second layer's weights
+# before the first dot (scripts/gpu_probe.py hash / pair sweep both)
+TUNE = {"cols": "auto", "early": False}
+
+
+def decode_cols(programs: int, bits: int, device: torch.device) -> int:
+    """Output bits per program of a decode hash whose grid has `programs` programs per block of output bits:
+    the narrowest of 32 / 64 / 128 whose grid still holds one program per SM. With 3xTF32 a program takes 255
+    registers, so two do not share an SM. H200, Llama-3-8B shapes (results/kernels_s8/probe_chunk.log): B1
+    (8 kv heads) 32 bits 8.6 us, 64 bits 9.6 us; B8 64 bits 9.8 us, 32 bits 15.6 us, 128 bits 13.6 us."""
+    if TUNE["cols"] != "auto":
+        return TUNE["cols"]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    for cols in (32, 64, 128):
+        if bits % cols == 0 and programs * (bits // cols) <= sms:
+            return cols
+    return 128 if bits % 128 == 0 else bits
 
 
 @triton.jit
@@ -200,10 +215,10 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     # 16 rows per program for decode (a few queries); long prompts take 128 (prompt keys of one 128K x B8 layer,
     # 3xTF32 on the H200: 35 ms at 16 rows, 49 ms at 64, 24 ms at 128; torch's float32 matmuls take 51 ms)
     bm = 16 if m < 128 else 128
-    # decode queries: each program computes TUNE["cols"] output bits (the MLP's hidden layer is recomputed per
+    # decode queries: each program computes `decode_cols` output bits (the MLP's hidden layer is recomputed per
     # program), so more programs with shorter dot chains and smaller second-layer weight loads
-    split = w2 is not None and m < 128 and bits % TUNE["cols"] == 0
-    cols = TUNE["cols"] if split else bits
+    cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, x.device) if w2 is not None and m < 128 else bits
+    cols = cols if bits % cols == 0 else bits
     _sign_hash_kernel[(triton.cdiv(m, bm), b * hkv, bits // cols)](
         x,
         w1,
@@ -251,7 +266,8 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         keys = keys.contiguous()
     w2c = w2.contiguous() if w2 is not None else w1
     out_q = torch.empty(b, hq, q, bits // 32, dtype=torch.int32, device=query.device)
-    cols = TUNE["cols"] if w2 is not None and bits % TUNE["cols"] == 0 else bits
+    cols = decode_cols(b * hkv, bits, query.device) if w2 is not None else bits
+    cols = cols if bits % cols == 0 else bits
     _sign_hash_pair_kernel[(b * hkv, bits // cols)](
         query,
         keys,
