@@ -276,6 +276,14 @@ def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early):
     assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
 
 
+def test_decode_hash_bits_per_program():
+    """As narrow as one program per SM allows (132 SMs: an H200): B1 and B8 of Llama-3-8B (8 kv heads)."""
+    from sparsekv.kernels._sign_hash_triton import decode_cols
+
+    assert [decode_cols(rows, 128, 132) for rows in (8, 33, 34, 66, 67, 256)] == [32, 32, 64, 64, 128, 128]
+    assert decode_cols(8, 96, 132) == 32 and decode_cols(50, 96, 132) == 96  # 96 bits: 3 x 32 or all at once
+
+
 @here
 @pytest.mark.parametrize("kind,group,new,cols,early", [("mlp", 4, 1, 64, False), ("mlp", 3, 2, 128, True),
                                                       ("linear", 4, 1, 64, False), ("mlp", 1, 5, 32, False)])

@@ -19,14 +19,17 @@ from sparsekv.kernels._triton import pdl_launch
 TUNE = {"cols": "auto", "early": False}
 
 
-def decode_cols(programs: int, bits: int, device: torch.device) -> int:
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def decode_cols(programs: int, bits: int, sms: int) -> int:
     """Output bits per program of a decode hash whose grid has `programs` programs per block of output bits:
     the narrowest of 32 / 64 / 128 whose grid still holds one program per SM. With 3xTF32 a program takes 255
     registers, so two do not share an SM. H200, Llama-3-8B shapes (results/kernels_s8/probe_chunk.log): B1
     (8 kv heads) 32 bits 8.6 us, 64 bits 9.6 us; B8 64 bits 9.8 us, 32 bits 15.6 us, 128 bits 13.6 us."""
     if TUNE["cols"] != "auto":
         return TUNE["cols"]
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     for cols in (32, 64, 128):
         if bits % cols == 0 and programs * (bits // cols) <= sms:
             return cols
@@ -217,7 +220,7 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     bm = 16 if m < 128 else 128
     # decode queries: each program computes `decode_cols` output bits (the MLP's hidden layer is recomputed per
     # program), so more programs with shorter dot chains and smaller second-layer weight loads
-    cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, x.device) if w2 is not None and m < 128 else bits
+    cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, _sms(x.device)) if w2 is not None and m < 128 else bits
     cols = cols if bits % cols == 0 else bits
     _sign_hash_kernel[(triton.cdiv(m, bm), b * hkv, bits // cols)](
         x,
@@ -266,7 +269,7 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         keys = keys.contiguous()
     w2c = w2.contiguous() if w2 is not None else w1
     out_q = torch.empty(b, hq, q, bits // 32, dtype=torch.int32, device=query.device)
-    cols = decode_cols(b * hkv, bits, query.device) if w2 is not None else bits
+    cols = decode_cols(b * hkv, bits, _sms(query.device)) if w2 is not None else bits
     cols = cols if bits % cols == 0 else bits
     _sign_hash_pair_kernel[(b * hkv, bits // cols)](
         query,
