@@ -276,6 +276,7 @@ def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early):
     assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
 
 
+@here  # imports a kernel module: triton is imported in the process that runs the kernels only
 def test_decode_hash_bits_per_program():
     """As narrow as one program per SM allows (132 SMs: an H200): B1 and B8 of Llama-3-8B (8 kv heads)."""
     from sparsekv.kernels._sign_hash_triton import decode_cols
