@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,layout,selwarps,merge]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,cols,layout,selwarps,merge]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -357,6 +357,30 @@ def pair_probe():
 
 if "pair" in SECTIONS:
     pair_probe()
+
+
+def cols_probe():
+    """The whole spotlight step (`run_attention`) with the decode hash's bits per program fixed at 64 (before
+    `decode_cols`) and chosen from the grid, alternating, twice; 32K x B1 and 128K x B8."""
+    from sparsekv.bench.attention import run_attention
+
+    saved = dict(sh.TUNE)
+    for _ in range(2):
+        for cols in (64, "auto"):
+            sh.TUNE["cols"] = cols
+            for batch, n in ((1, 32768), (8, 131072)):
+                r = run_attention("spotlight", batch=batch, context=n, budget=0.02)
+                us = {row["name"]: row["us"] for row in r["rows"]}
+                print(f"RESULT cols {cols} {batch} {n} score {us['score (hash + hamming + window histogram)']:.1f} "
+                      f"total {us['total sparse step']:.1f} dense {us['dense SDPA']:.1f} "
+                      f"x {r['speedup_vs_dense']:.2f}", flush=True)  # fmt: skip
+                torch.cuda.empty_cache()
+    sh.TUNE.clear()
+    sh.TUNE.update(saved)
+
+
+if "cols" in SECTIONS:
+    cols_probe()
 
 
 def layout_probe():

@@ -288,3 +288,26 @@ def test_compiled_decode_matches_eager(method):
 
     # aot_eager: the graphs pass through AOTAutograd as with inductor, without inductor's compile time
     assert decode(compiled_forward(model, backend="aot_eager")) == decode(model)
+
+
+def test_model_compile_then_generate_stays_sparse():
+    """The README's recipe: `model.compile()` with unspecialised layer indices; `generate` keeps the sparse path
+    (enable's pre-hook runs inside the compiled call) and its tokens."""
+    import sparsekv
+    from sparsekv.models import random_model
+
+    torch._dynamo.reset()
+    model = random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=3, num_hidden_layers=10)
+    config = SparseConfig(method="spotlight", budget=0.25, dense_layers=())
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        with torch.inference_mode(), sparsekv.enabled(model, config):
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+            return out, sparsekv.last_cache(model).stats.summary()["avg_budget_fraction"]
+
+    eager, kept_eager = run()
+    model.compile(backend="aot_eager")
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, fail_on_recompile_limit_hit=True):
+        compiled, kept = run()
+    assert torch.equal(compiled, eager) and kept == kept_eager < 0.5

@@ -13,5 +13,6 @@ kernel, elsewhere the reference. SPARSEKV_DISABLE_TRITON=1 forces the references
     sign_hash.sign_hash(x, w1, w2=None, b1=None, wr=None, b2=None) -> int32 codes   (linear or MLP hash + packing)
     sign_hash.sign_hash_pair(q, new_keys, key_out, key_mean, key_scale, query_scale, w1, ...) -> query codes
         (a decode step's queries and new keys in one launch; the keys' codes are written into key_out)
-    sparse_attention.sparse_attention(q, keys, values, indices, valid, scaling) -> [B,Hq,Q,d]   (valid None: all)
+    sparse_attention.sparse_attention(q, keys, values, indices, valid, scaling, *, tickets=None) -> [B,Hq,Q,d]
+        (valid None: all; tickets: int32 zeros per row, the split-K partials merged without a second launch)
 """
