@@ -205,9 +205,12 @@ def test_run_e2e_gemfilter_needs_model_prefill():
         run_e2e("tiny-llama", context=32, batch=1, method="gemfilter", prefill="synthetic", device="cpu")
 
 
-def test_greedy_match_harness_cpu():
+@pytest.mark.parametrize("weights", ["random", "real"])
+def test_greedy_match_harness_cpu(weights):
+    """The harness end to end (CPU against CPU); "real": the embedded model and text prompts."""
     report = greedy_match(("dense", "spotlight"), prompt_lengths=(20, 33), new_tokens=3, device="cpu",
-                          model_name="tiny-llama")  # fmt: skip
+                          model_name="tiny-llama", weights=weights)  # fmt: skip
+    assert ("embedded" in report["model"]) == (weights == "real")
     for method in ("dense", "spotlight"):
         entry = report["methods"][method]
         assert entry["matched"] == entry["total"] == 4  # two prompts alone + a padded batch of two

@@ -516,6 +516,14 @@ def greedy_ids(
 
 
 GREEDY_METHODS = ("dense", "spotlight", "lsh", "quest", "self-index", "streaming")
+# prompts of greedy_match(weights="real"): prefixes of this text (repeated to the longest prompt length)
+GREEDY_TEXT = (
+    "The lighthouse keeper wrote in his log every evening. He noted the wind, the colour of the sea, the ships "
+    "that passed and the birds that rested on the rail. In winter the entries grew short: ice on the glass, oil "
+    "for the lamp, a storm from the north. In spring they grew long again, full of the boats of the fishermen, "
+    "the first swallows and the smell of the tar on the harbour wall. Years later his granddaughter found the "
+    "books in a chest and read them aloud, one evening at a time."
+)
 
 
 def greedy_match(
@@ -528,14 +536,29 @@ def greedy_match(
     model_name: str = "default",
     layers: int | None = None,
     seed: int = 0,
+    weights: str = "random",
 ) -> dict:
-    """Greedy tokens of a random-weight model (default shape, float32, same weights) on CPU vs `device`: each
-    prompt alone (no padding: the uniform fast path) and all of them as one left-padded batch (general path)."""
-    cpu_model = build_model(model_name, layers=layers, dtype=torch.float32, device="cpu", seed=seed)
-    dev_model = copy.deepcopy(cpu_model).to(device)
+    """Greedy tokens of one model (float32, the same weights) on CPU vs `device`: each prompt alone (no padding:
+    the uniform fast path) and all of them as one left-padded batch (general path). weights="random": a
+    random-weight model of `model_name`'s shape and random prompt ids; "real": the embedded default model
+    (SmolLM2-135M-Instruct, its assets fetched or cached) and prefixes of an English text as prompts."""
+    if weights not in ("random", "real"):
+        raise ConfigError(f"weights must be random or real, got {weights!r}")
     gen = torch.Generator().manual_seed(seed + 1)
-    vocab = cpu_model.config.vocab_size
-    prompts = [torch.randint(3, vocab, (1, n), generator=gen) for n in prompt_lengths]
+    if weights == "real":
+        from sparsekv.models import load_model
+
+        cpu_model, tokenizer = load_model("default", dtype=torch.float32, device="cpu")
+        text = " ".join([GREEDY_TEXT] * 4)
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        prompts = [ids[:, :n] for n in prompt_lengths]
+        report_model = "default (SmolLM2-135M-Instruct, embedded weights), float32"
+    else:
+        cpu_model = build_model(model_name, layers=layers, dtype=torch.float32, device="cpu", seed=seed)
+        vocab = cpu_model.config.vocab_size
+        prompts = [torch.randint(3, vocab, (1, n), generator=gen) for n in prompt_lengths]
+        report_model = f"{model_name} shape, random weights (seed {seed}), float32"
+    dev_model = copy.deepcopy(cpu_model).to(device)
     width = max(prompt_lengths)
     batch_ids = torch.zeros(len(prompts), width, dtype=torch.long)
     batch_mask = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -545,8 +568,7 @@ def greedy_match(
     cases = [(f"prompt{n}", p, None) for n, p in zip(prompt_lengths, prompts)] + [
         ("padded-batch", batch_ids, batch_mask)
     ]
-    report: dict = {"model": f"{model_name} shape, random weights (seed {seed}), float32", "budget": budget,
-                    "new_tokens": new_tokens, "methods": {}}  # fmt: skip
+    report: dict = {"model": report_model, "budget": budget, "new_tokens": new_tokens, "methods": {}}
     for method in methods:
         config = (
             SparseConfig(method=method, budget=budget, sink=1, local=4)
