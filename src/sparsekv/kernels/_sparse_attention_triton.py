@@ -13,10 +13,19 @@ import triton
 import triton.language as tl
 
 from sparsekv.kernels._tl_utils import pdl_enter
-from sparsekv.kernels._triton import next_pow2, pdl_launch
+from sparsekv.kernels._triton import interpreting, next_pow2, pdl_launch
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
 TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """float32 inputs: 3xTF32 dots, about float32 accuracy on the tensor cores (one TF32 pass rounds scores to
+    ~1e-3 and made a greedy token of the embedded model differ from the CPU path at a 0.01 logit margin).
+    16-bit inputs ignore it. The interpreter computes in IEEE float32."""
+    if interpreting():
+        return "ieee"
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -115,6 +124,7 @@ def _partial_kernel(
     MERGE: tl.constexpr = False,
     GC: tl.constexpr = 1,
     SP: tl.constexpr = 1,
+    PREC: tl.constexpr = "tf32",
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
@@ -153,10 +163,10 @@ def _partial_kernel(
         kt = tl.load(k_base + idx[:, None] * skn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         # V issued with K: both gathers are in flight before the first dot needs K
         vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
-        sc = tl.dot(q, tl.trans(kt)) * qk_scale  # [GP, BLOCK], log2 domain
+        sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 domain
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
-        acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt)
+        acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
     row = (b.to(tl.int64) * HQ + s * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
     store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, d, D, hmask, dmask)
     if MERGE:
@@ -253,6 +263,7 @@ def sparse_attention_triton(
         MERGE=merge,
         GC=next_pow2(heads_per_row),
         SP=next_pow2(splits),
+        PREC=dot_precision(query.dtype),
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
         **pdl_launch(query.device),
