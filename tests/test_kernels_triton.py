@@ -240,7 +240,9 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked, merge
         out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, tickets=tickets, block=16,
                                                                        splits=3, merge=merge)  # fmt: skip
         err = (out.cpu().double() - ref).norm() / ref.norm()
-        assert err < 5e-3, float(err)  # fp32 inputs may run the dot in tf32 on the GPU
+        # float32 inputs: 3xTF32 dots on the GPU (about float32 accuracy; one TF32 pass gives ~1e-3), IEEE in the
+        # interpreter
+        assert err < 1e-4, float(err)
         if merge:
             assert not tickets.any()
 
