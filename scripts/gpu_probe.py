@@ -359,22 +359,27 @@ if "pair" in SECTIONS:
     pair_probe()
 
 
+def step_result(label: str, batch: int, n: int, stage: str) -> None:
+    """One `run_attention` of the spotlight step: a RESULT line with one stage, the total, dense and the ratio."""
+    from sparsekv.bench.attention import run_attention
+
+    r = run_attention("spotlight", batch=batch, context=n, budget=0.02)
+    us = {row["name"]: row["us"] for row in r["rows"]}
+    print(f"RESULT {label:8s} {batch} {n:6d} {stage.split(' (')[0]} {us[stage]:.1f} | total "
+          f"{us['total sparse step']:.1f} | dense {us['dense SDPA']:.1f} | x {r['speedup_vs_dense']:.2f}",
+          flush=True)  # fmt: skip
+    torch.cuda.empty_cache()
+
+
 def cols_probe():
     """The whole spotlight step (`run_attention`) with the decode hash's bits per program fixed at 64 (before
     `decode_cols`) and chosen from the grid, alternating, twice; 32K x B1 and 128K x B8."""
-    from sparsekv.bench.attention import run_attention
-
     saved = dict(sh.TUNE)
     for _ in range(2):
         for cols in (64, "auto"):
             sh.TUNE["cols"] = cols
             for batch, n in ((1, 32768), (8, 131072)):
-                r = run_attention("spotlight", batch=batch, context=n, budget=0.02)
-                us = {row["name"]: row["us"] for row in r["rows"]}
-                print(f"RESULT cols {cols} {batch} {n} score {us['score (hash + hamming + window histogram)']:.1f} "
-                      f"total {us['total sparse step']:.1f} dense {us['dense SDPA']:.1f} "
-                      f"x {r['speedup_vs_dense']:.2f}", flush=True)  # fmt: skip
-                torch.cuda.empty_cache()
+                step_result(f"cols {cols}", batch, n, "score (hash + hamming + window histogram)")
     sh.TUNE.clear()
     sh.TUNE.update(saved)
 
@@ -459,7 +464,6 @@ def merge_probe():
     """The split-K partials merged by each row's last program (tickets) against the separate combine kernel:
     attention alone, then the whole spotlight step (`run_attention`), the two variants alternating in one
     process; each merged output checked against the combine kernel's."""
-    from sparsekv.bench.attention import run_attention
     from sparsekv.kernels import _sparse_attention_triton as sa
     from sparsekv.kernels import sparse_attention as sa_api
 
@@ -492,13 +496,8 @@ def merge_probe():
             if label == "combine":
                 sa_api.sparse_attention = lambda *a, tickets=None, **kw: plain(*a, **kw)
             for batch, n in ((8, 131072), (1, 32768)):
-                r = run_attention("spotlight", batch=batch, context=n, budget=0.02)
-                us = {row["name"]: row["us"] for row in r["rows"]}
-                print(f"RESULT {label:8s} {batch} {n:6d} attend {us['attend (split-K over gathered K/V)']:.1f} | "
-                      f"total {us['total sparse step']:.1f} | dense {us['dense SDPA']:.1f} | "
-                      f"x {r['speedup_vs_dense']:.2f}", flush=True)  # fmt: skip
+                step_result(label, batch, n, "attend (split-K over gathered K/V)")
             sa_api.sparse_attention = plain
-        torch.cuda.empty_cache()
 
 
 if "merge" in SECTIONS:
