@@ -106,7 +106,8 @@ def run_attention(
 
     def total(i):
         q, kk, vv, *_ = data[i]
-        return sparse_attention(q, kk, vv, hamming_select(scored(i, hints[i]), k), None, scale, tickets=tickets[i])
+        selected = hamming_select(scored(i, hints[i]), k)
+        return sparse_attention(q, kk, vv, selected, None, scale, tickets=tickets[i])
 
     def total_plain(i):
         q, kk, vv, *_ = data[i]

@@ -122,8 +122,9 @@ def e2e(
         top_p=top_p, new_tokens=new_tokens, cuda_graph=cuda_graph, prefill=prefill,
         dense_layers=parse_layers(dense_layers), options=parse_options(option), compile=compile,
     )  # fmt: skip
+    compiled = " (compiled)" if compile else ""
     table = Table(
-        title=f"{method} vs dense{' (compiled)' if compile else ''}: {model} ({result['layers']} layers) N{context} B{batch} budget {budget} "
+        title=f"{method} vs dense{compiled}: {model} ({result['layers']} layers) N{context} B{batch} budget {budget} "
         f"on {result['device']} (prefill: {result['prefill']})"
     )
     for col in ("", "dense", method, "ratio"):

@@ -15,8 +15,9 @@ preallocated SparseCache) and for the method:
 - `compile`: the decode steps of both run through torch.compile (`compiled_forward`): the norms, projections,
   rotary embedding and MLP fuse into fewer kernels, the cache update and attention stay as they are.
 
-`greedy_match` runs a random-weight model of the default model's shape on CPU (the reference path) and on the GPU
-(the kernels), in float32 from the same weights, and compares the greedy tokens of several methods.
+`greedy_match` runs one model on CPU (the reference path) and on the GPU (the kernels), in float32 from the same
+weights, and compares the greedy tokens of several methods: a random-weight model of the default model's shape, or
+(`weights="real"`) the embedded default model itself.
 """
 
 from __future__ import annotations
@@ -431,7 +432,8 @@ def run_e2e(
     method_cfg = SparseConfig(
         method=method, budget=budget, top_p=top_p, dense_layers=dense_layers, options=options or {}
     )
-    setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed, profile=profile, compile=compile)
+    setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed, profile=profile,
+                  compile=compile)  # fmt: skip
     runs = {"dense": run_one(net, dense_cfg, setup), "method": run_one(net, method_cfg, setup)}
     d, m = runs["dense"], runs["method"]
     return {
