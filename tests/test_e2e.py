@@ -216,6 +216,13 @@ def test_greedy_match_harness_cpu(weights):
         assert entry["matched"] == entry["total"] == 4  # two prompts alone + a padded batch of two
 
 
+def test_greedy_match_rejects_unknown_weights():
+    from sparsekv.config import ConfigError
+
+    with pytest.raises(ConfigError, match="random or real"):
+        greedy_match(("dense",), device="cpu", weights="pretrained")
+
+
 def test_cli_e2e(tmp_path):
     from typer.testing import CliRunner
 

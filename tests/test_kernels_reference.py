@@ -209,3 +209,19 @@ def test_hamming_matmul_path_equals_popcount_reference(bits, group):
     query, keys = query.to(torch.int32), keys.to(torch.int32)
     expected = hamming_scores_reference(query, keys, bits=bits)
     assert torch.equal(hamming_scores_matmul(query, keys, bits=bits), expected)
+
+
+@pytest.mark.parametrize(
+    "tickets,match",
+    [(torch.zeros(4, dtype=torch.int64), "int32"), (torch.zeros(3, dtype=torch.int32), "at least 4"),
+     (torch.zeros(8, dtype=torch.int32)[::2], "contiguous")],
+)  # fmt: skip
+def test_sparse_attention_rejects_bad_tickets(tickets, match):
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    query, keys = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 10, 8)
+    indices = torch.arange(3).expand(2, 2, 1, 3)  # 4 rows
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(query, keys, keys, indices, None, 0.3, tickets=tickets)
+    assert sparse_attention(query, keys, keys, indices, None, 0.3, tickets=torch.zeros(4, dtype=torch.int32)).shape \
+        == query.shape  # fmt: skip
