@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,cols,layout,selwarps,merge]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,cols,layout,selwarps,merge,pairs]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -426,11 +426,12 @@ if "layout" in SECTIONS:
     layout_probe()
 
 
-def selwarps_probe():
-    """The compaction's tile and warps (1 warp: the block scan needs no barriers), default scorer, 128K x B8 and
-    32K x B1, window hint warm; each line checked against the default's selected set."""
-    saved = dict(tk.SELECT_TUNE)
-    for batch, n in ((8, 131072), (1, 32768)):
+def select_variants(variants, shapes=((8, 131072), (1, 32768))):
+    """hamming_select alone (remaining radix launches + compaction) in a graph, default scorer, window hint warm,
+    for each variant (label, SELECT_TUNE updates, COMPACT_MODE, PAIRS_INLINE); each line checked against the
+    first variant's selected set."""
+    saved = dict(tk.SELECT_TUNE), tk.COMPACT_MODE["mode"], tk.PAIRS_INLINE["on"]
+    for batch, n in shapes:
         k = int(0.02 * n)
         codes = [torch.randint(-(2**31), 2**31 - 1, (batch, HKV, n + 64, 4), device=dev, dtype=torch.int32,
                                generator=gen)[:, :, :n] for _ in range(3)]  # fmt: skip
@@ -443,8 +444,9 @@ def selwarps_probe():
                                           threshold_hint=hints[i])  # fmt: skip
 
         ref = None
-        for sblock, swarps in ((512, 2), (512, 1), (256, 1), (1024, 2), (1024, 1), (512, 4)):
-            tk.SELECT_TUNE.update(block=sblock, num_warps=swarps)
+        for label, tune, mode, inline in variants:
+            tk.SELECT_TUNE.update(saved[0] | tune)
+            tk.COMPACT_MODE["mode"], tk.PAIRS_INLINE["on"] = mode, inline
             for i in range(3):
                 ham.hamming_select(scored(i), k)  # thresholds in their windows
             warm = [scored(i) for i in range(3)]
@@ -452,8 +454,33 @@ def selwarps_probe():
             idx = ham.hamming_select(scored(0), k).sort(-1).values
             ref = idx if ref is None else ref
             same = "" if torch.equal(idx, ref) else "  MISMATCH"
-            print(f"select {n // 1024}K x B{batch} tile {sblock} warps {swarps}: {t_sel:.1f} us{same}", flush=True)
-        tk.SELECT_TUNE.update(saved)
+            print(f"select {n // 1024}K x B{batch} {label}: {t_sel:.1f} us{same}", flush=True)
+        tk.SELECT_TUNE.update(saved[0])
+        tk.COMPACT_MODE["mode"], tk.PAIRS_INLINE["on"] = saved[1], saved[2]
+
+
+def selwarps_probe():
+    """The compaction's tile and warps (1 warp: the block scan needs no barriers), scan mode."""
+    select_variants([(f"tile {b} warps {w}", {"block": b, "num_warps": w}, "scan", True)
+                     for b, w in ((512, 2), (512, 1), (256, 1), (1024, 2), (1024, 1), (512, 4))])  # fmt: skip
+
+
+def pairs_probe():
+    """The bit-mask compaction of int16 scores (`_compact_pairs_kernel`) against the ordered scan: select alone
+    over tiles and warps, then the whole spotlight step alternating, twice."""
+    tiles = ((512, 2), (256, 1), (512, 1), (1024, 2), (1024, 4), (2048, 4))
+    select_variants([("scan 512 x 2", {}, "scan", True), ("pairs per-key stores 512 x 2", {}, "pairs", False)]
+                    + [(f"pairs {b} x {w}", {"block": b, "num_warps": w}, "pairs", True) for b, w in tiles])  # fmt: skip
+    for _ in range(2):
+        for mode in ("scan", "pairs"):
+            tk.COMPACT_MODE["mode"] = mode
+            for batch, n in ((8, 131072), (1, 32768)):
+                step_result(mode, batch, n, "select (threshold in the window + compaction)")
+    tk.COMPACT_MODE["mode"] = "pairs"
+
+
+if "pairs" in SECTIONS:
+    pairs_probe()
 
 
 if "selwarps" in SECTIONS:

@@ -85,7 +85,8 @@ def test_hamming_group_sizes_triton(impl, g, bits):
 @here
 @pytest.mark.parametrize(
     "hist,nibbles,compact,scorer",
-    [("packed", False, "scan", {}), ("packed_all", True, "scan_nobranch", {"prefetch": False}),
+    [("packed", False, "scan", {}), ("packed", True, "pairs", {}),
+     ("packed_all", True, "scan_nobranch", {"prefetch": False}),
      ("packed_all", False, "atomic", {"group_adders": False}), ("atomic", True, "scan", {"prefetch": False})],
 )  # fmt: skip
 def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, hist, nibbles, compact, scorer):
@@ -401,6 +402,29 @@ def test_lut_triton(impl, mode):
             torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
     finally:
         lut.LUT_TUNE.update(old)
+
+
+@here
+@pytest.mark.parametrize("inline", [True, False] if CUDA else [False])
+@pytest.mark.parametrize("n,k,hi", [(4096, 100, 512), (2600, 300, 9), (8, 3, 1), (1048, 1, 0)])
+def test_compaction_pairs_mode(impl, monkeypatch, inline, n, k, hi):
+    """int16 scores take the bit-mask compaction: the same indices in the same order as the ordered scan (keys
+    above the threshold by position, then the first equal ones), many ties, the 0 / 2**15 - 1 edges, rows that
+    end mid-tile and a chunk split; the GPU runs its PTX store loop and the per-key stores."""
+    tk = impl["_topk_triton"]
+    monkeypatch.setitem(tk.PAIRS_INLINE, "on", inline)
+    gen = torch.Generator().manual_seed(n + k)
+    scores = torch.randint(0, hi + 1, (3, n), generator=gen, dtype=torch.int16)
+    scores[0, : n // 3] = hi  # a run of equal top scores
+    scores = (scores + (2**15 - 1 - hi) * (torch.arange(3) == 2)[:, None]).to(torch.int16)  # up to 2**15 - 1
+    scores = scores.to(DEV)
+    assert tk.pairs_ok(scores, 0, False, n, tk._sblock(n))
+    outs = {}
+    for mode in ("scan", "pairs"):
+        monkeypatch.setitem(tk.COMPACT_MODE, "mode", mode)
+        outs[mode] = tk.select_topk_int(scores, k, 0, 2**15 - 1).cpu()
+    assert torch.equal(outs["pairs"], outs["scan"])
+    assert_topk_set(scores.cpu(), outs["pairs"], k)
 
 
 @here

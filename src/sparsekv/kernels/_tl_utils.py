@@ -40,3 +40,22 @@ def pdl_enter(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def scatter_store_i64(ptr, value, mask, INLINE: tl.constexpr):
+    """Masked store of int64 values at data-dependent addresses. tl.store gives pointers of unknown contiguity a
+    layout of their own (one element per thread, cyclic), and moving 64-bit addresses and masks into it is a
+    shared-memory round trip with barriers on every call. INLINE (GPU only; the interpreter runs no PTX) stores
+    each element from the thread that already holds it."""
+    if INLINE:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b64 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,l,r",
+            [ptr, value, mask.to(tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.store(ptr, value, mask=mask)

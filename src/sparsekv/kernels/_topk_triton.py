@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._tl_utils import pdl_enter
+from sparsekv.kernels._tl_utils import pdl_enter, popcount_tl, scatter_store_i64
 from sparsekv.kernels._triton import pdl_launch
 
 INT_DIGIT_BITS = 5
@@ -105,10 +105,14 @@ PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles p
 PACKED_NIBBLES = {"on": True}  # 4-bit counters where a program has at most 15 tiles
 # software prefetch of the next tile in the level and compaction loops (scripts/gpu_probe.py sweeps it)
 PREFETCH = {"on": True}
-# compaction slots: "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one
-# counter per row; a block scan only in the chunk that straddles the equal-key quota; measured 3x slower) or
+# compaction slots: "pairs" (int16 scores >= 0: _compact_pairs_kernel, the same output as "scan"; other scores
+# take "scan"), "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one counter per
+# row; a block scan only in the chunk that straddles the equal-key quota; measured 3x slower) or
 # "scan_nobranch" (scan every tile, no data-dependent branch in the loop)
-COMPACT_MODE = {"mode": "scan"}
+COMPACT_MODE = {"mode": "pairs"}
+# the pairs compaction's stores as one PTX loop per thread (GPU only; off: one masked tl.store per key, as in the
+# interpreter; the GPU tests run both)
+PAIRS_INLINE = {"on": True}
 # tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
 SELECT_TUNE = {"block": 512, "num_warps": 2}
 
@@ -250,13 +254,38 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
 
 
 @triton.jit
-def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_gt, need_eq):
+def row_threshold(hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS: tl.constexpr,
+                  NBITS: tl.constexpr, CP: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """Row r's threshold key, equal keys still to place, per-chunk counts above / equal (derive_threshold), from
+    the window histogram where it pins the threshold down, else from the radix levels. With WINDOW, chunk 0
+    stores the threshold score to `hint_ptr` (the next decode step centres its window on it)."""
+    if WINDOW:
+        thr, need_eq, gt_chunk, eq_chunk, base, exact = window_threshold(
+            hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
+        )
+        if exact:  # the threshold bin holds the one score base + t: compare the keys with it directly
+            thr = base + thr - lo
+        else:
+            thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
+                hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
+            )
+        tl.store(hint_ptr + r, thr + lo, mask=c == 0)
+    else:
+        thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
+            hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
+        )
+    return thr, need_eq, gt_chunk, eq_chunk
+
+
+@triton.jit
+def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_gt, need_eq,
+                INLINE_STORE: tl.constexpr):
     cs = tl.cumsum(packed, axis=0)
     rank = base_eq + (cs >> 16) - 1
     # one slot per key (-1: not selected) and one store: the scatter store runs in its own register layout, and
     # each value it takes from the scan's layout is a shared-memory round trip with barriers
     slot = tl.where(m_gt, base_gt + (cs & 0xFFFF) - 1, tl.where(m_eq & (rank < need_eq), cnt_gt + rank, -1))
-    tl.store(out_row + slot, pos, mask=slot >= 0)
+    scatter_store_i64(out_row + slot, pos, slot >= 0, INLINE_STORE)
     return base_gt + (total & 0xFFFF), base_eq + (total >> 16)
 
 
@@ -288,26 +317,14 @@ def _compact_kernel(
     hint_ptr=None,
     top=0,
     USE_PDL: tl.constexpr = False,
+    INLINE_STORE: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
     r = tl.program_id(1)
-    if WINDOW:
-        thr, need_eq, gt_chunk, eq_chunk, base, exact = window_threshold(
-            hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
-        )
-        if exact:  # the threshold bin holds the one score base + t: compare the keys with it directly
-            thr = base + thr - lo
-        else:
-            thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
-                hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
-            )
-        # the next decode step centres its window on this threshold (as a score)
-        tl.store(hint_ptr + r, thr + lo, mask=c == 0)
-    else:
-        thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
-            hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
-        )
+    thr, need_eq, gt_chunk, eq_chunk = row_threshold(
+        hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
+    )
     thr = thr.to(tl.uint32, bitcast=True)
     chunks = tl.arange(0, CP)
     cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
@@ -360,10 +377,153 @@ def _compact_kernel(
             if BRANCH:  # skip the scan of tiles without a selected key
                 if total != 0:
                     base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
-                                                   cnt_gt, need_eq)  # fmt: skip
+                                                   cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
             else:  # no data-dependent branch: lets the compiler pipeline the tile loads
                 base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
-                                               cnt_gt, need_eq)  # fmt: skip
+                                               cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
+
+
+SCORE_PAIRS = 4  # 32-bit words of two int16 scores per thread and tile row: one 16-byte load, 8 keys
+
+
+@triton.jit
+def _pair_bits(words, const, W: tl.constexpr):
+    """[R, W] uint32 words, each two int16 scores in [0, 2**15) -> [R] int32 masks whose bit 2j (2j + 1) is set
+    where the low (high) score of word j plus `const` reaches 2**15. Both halves add in one 32-bit add: a score
+    below 2**15 plus a constant below 2**15 never carries into the other half."""
+    hit = ((words & 0x7FFF7FFF) + const) & 0x80008000
+    pair = ((hit >> 15) & 1) | ((hit >> 30) & 2)
+    return tl.sum(pair.to(tl.int32) << (2 * tl.arange(0, W))[None, :], axis=1)
+
+
+def _store_bits_asm(step: str) -> str:
+    """PTX of _store_bits: $1 m_gt, $2 gt_slot, $3 m_eq, $4 eq_slot, $5 pos0, $6 out_row, $7 eq_allowed. Each
+    pass takes the lowest set bit b (bfind of m & -m), clears it and stores pos0 -/+ b at slot s, s + 1, ..."""
+    store = (
+        "neg.s32 low, m; and.b32 low, m, low; xor.b32 m, m, low; bfind.u32 j, low; cvt.s64.s32 jj, j; "
+        f"{step} v, $5, jj; mul.wide.s32 a, s, 8; add.s64 a, a, $6; st.global.b64 [a], v; add.s32 s, s, 1; "
+    )
+    return (
+        "{ .reg .pred p; .reg .b32 m, low, j, s, n; .reg .b64 a, v, jj; mov.b32 m, $1; mov.b32 s, $2; "
+        f"GT${{:uid}}: setp.eq.b32 p, m, 0; @p bra EQ${{:uid}}; {store}bra GT${{:uid}}; "
+        "EQ${:uid}: mov.b32 m, $3; mov.b32 s, $4; mov.b32 n, $7; "
+        f"EQL${{:uid}}: setp.eq.b32 p, m, 0; setp.eq.or.b32 p, n, 0, p; @p bra END${{:uid}}; {store}"
+        "sub.s32 n, n, 1; bra EQL${:uid}; END${:uid}: mov.b32 $0, 0; }"
+    )
+
+
+STORE_BITS_ASM = tl.constexpr((_store_bits_asm("add.s64"), _store_bits_asm("sub.s64")))
+
+
+@triton.jit
+def _store_bits(out_row, m_gt, gt_slot, m_eq, eq_slot, eq_allowed, pos0, KEYS: tl.constexpr, REVERSE: tl.constexpr,
+                INLINE: tl.constexpr, USE_POPC: tl.constexpr):  # fmt: skip
+    """Each thread writes the positions of its row's selected keys: every set bit b of m_gt to slots gt_slot,
+    gt_slot + 1, ... and the first eq_allowed set bits of m_eq to eq_slot, ...; key b's position is pos0 + b
+    (pos0 - b with REVERSE). INLINE (GPU): a PTX loop over the set bits, so a thread with nothing selected, the
+    usual case at a 2% budget, does no per-key work. Otherwise one masked store per bit."""
+    if INLINE:
+        tl.inline_asm_elementwise(
+            STORE_BITS_ASM[1] if REVERSE else STORE_BITS_ASM[0],
+            "=r,r,r,r,r,l,l,r",
+            [m_gt, gt_slot, m_eq, eq_slot, pos0, out_row, eq_allowed],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        for b in tl.static_range(KEYS):
+            below = (1 << b) - 1
+            eq_rank = popcount_tl(m_eq & below, USE_POPC)
+            slot = tl.where(
+                ((m_gt >> b) & 1) != 0,
+                gt_slot + popcount_tl(m_gt & below, USE_POPC),
+                tl.where((((m_eq >> b) & 1) != 0) & (eq_rank < eq_allowed), eq_slot + eq_rank, -1),
+            )
+            pos = (pos0 - b) if REVERSE else (pos0 + b)
+            tl.store(out_row + slot, pos, mask=slot >= 0)
+
+
+@triton.jit
+def _compact_pairs_kernel(
+    src_ptr,
+    out_ptr,
+    hist_ptr,
+    N,
+    n_load,
+    stride_row,
+    lo,
+    k,
+    num_rows,
+    num_chunks,
+    blocks_per_chunk,
+    LEVELS: tl.constexpr,
+    NBITS: tl.constexpr,
+    CP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    W: tl.constexpr,
+    REVERSE: tl.constexpr = False,
+    WINDOW: tl.constexpr = False,
+    base_ptr=None,
+    hint_ptr=None,
+    top=0,
+    INLINE: tl.constexpr = False,
+    USE_POPC: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
+):
+    """The compaction of int16 scores in [0, 2**15) on bit masks: the same output as _compact_kernel's scan mode
+    (keys above the threshold by position, then the first `need` equal ones). A thread compares two scores per
+    32-bit add, turns its 2W keys into two bit masks, and the block scan runs over one count pair per thread
+    instead of one per key."""
+    pdl_enter(USE_PDL)
+    c = tl.program_id(0)
+    r = tl.program_id(1)
+    thr, need_eq, gt_chunk, eq_chunk = row_threshold(
+        hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
+    )
+    t = thr + lo  # the threshold as a score
+    # score > t  <=>  score + (0x7FFF - t) reaches 2**15;  score >= t  <=>  score + (0x8000 - t) does
+    c_gt = (0x7FFF - t).to(tl.uint32)
+    c_ge = (0x8000 - t).to(tl.uint32)
+    c_gt = (c_gt << 16) | c_gt
+    c_ge = (c_ge << 16) | c_ge
+    chunks = tl.arange(0, CP)
+    cnt_gt = k - need_eq
+    base_gt = tl.sum(tl.where(chunks < c, gt_chunk, 0), axis=0)
+    base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
+    KEYS: tl.constexpr = 2 * W
+    R: tl.constexpr = BLOCK // KEYS
+    words_row = (src_ptr + r.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
+    out_row = out_ptr + r.to(tl.int64) * k
+    chunk0 = c * blocks_per_chunk
+    limit = tl.minimum(N, chunk0 + blocks_per_chunk)
+    rows = tl.arange(0, R)
+    cols = tl.arange(0, W)
+    # pairs_ok: rows are 16-byte aligned and n_load a multiple of KEYS, so a row that starts below the limit
+    # lies inside the buffer, and a mask of one value per row keeps the load one vector
+    widx = chunk0 // 2 + rows[:, None] * W + cols[None, :]
+    nxt = tl.load(words_row + widx, mask=(chunk0 + rows * KEYS < limit)[:, None], other=0)
+    for i in range(0, blocks_per_chunk, BLOCK):
+        key0 = chunk0 + i + rows * KEYS  # first key of each thread's row
+        words = nxt.to(tl.uint32, bitcast=True)
+        # the next tile's load is in flight while this one is compared and stored
+        nxt = tl.load(words_row + widx + (i + BLOCK) // 2, mask=(key0 + BLOCK < limit)[:, None], other=0)
+        valid = (1 << tl.minimum(tl.maximum(limit - key0, 0), KEYS)) - 1
+        m_gt = _pair_bits(words, c_gt, W) & valid
+        m_eq = (_pair_bits(words, c_ge, W) & ~m_gt) & valid
+        m_eq = tl.where(base_eq < need_eq, m_eq, 0)  # equal keys past the quota are not stored
+        n_eq = popcount_tl(m_eq, USE_POPC)
+        packed = popcount_tl(m_gt, USE_POPC) + (n_eq << 16)
+        total = tl.sum(packed, axis=0)
+        if total != 0:
+            before = tl.cumsum(packed, axis=0) - packed
+            eq_rank = base_eq + (before >> 16)
+            allowed = tl.minimum(tl.maximum(need_eq - eq_rank, 0), n_eq)
+            pos0 = ((N - 1 - key0) if REVERSE else key0).to(tl.int64)
+            _store_bits(out_row + tl.zeros_like(rows), m_gt, base_gt + (before & 0xFFFF), m_eq, cnt_gt + eq_rank,
+                        allowed, pos0, KEYS, REVERSE, INLINE, USE_POPC)  # fmt: skip
+            base_gt += total & 0xFFFF
+            base_eq += total >> 16
 
 
 def chunking(
@@ -433,6 +593,13 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
     return hist
 
 
+def pairs_ok(src: torch.Tensor, lo: int, is_float: bool, n_load: int, chunk_len: int) -> bool:
+    """Whether _compact_pairs_kernel can read src: int16 scores >= 0 (lo >= 0), rows of 16-byte tiles."""
+    keys = 2 * SCORE_PAIRS
+    aligned = src.stride(0) % keys == 0 and n_load % keys == 0 and chunk_len % keys == 0 and src.data_ptr() % 16 == 0
+    return src.dtype == torch.int16 and not is_float and lo >= 0 and aligned
+
+
 def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False,
                   window=None, hint=None, n_load=None):  # fmt: skip
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
@@ -450,13 +617,22 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     # in-window step 119.0 -> 117.5 us (128K x B8) and 32.6 -> 30.8 us (32K x B1), but a window miss 76 -> 108 us
     # and a B8 select without window 51 -> 72 us. Releasing the launch at the end of the level kernel instead gave
     # back all four (kernel notes, v29); decoding is in the window 97-99.9% of steps, so the early launch stays.
+    win = {"WINDOW": window is not None, "base_ptr": window[0] if window else None, "hint_ptr": hint,
+           "top": window[1] if window else 0}  # fmt: skip
+    if COMPACT_MODE["mode"] == "pairs" and pairs_ok(src, lo, is_float, n_load, chunk_len):
+        _compact_pairs_kernel[(num_chunks, rows)](
+            src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
+            LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
+            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
+            USE_POPC=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
+        )  # fmt: skip
+        return out
     cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
-        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] == "scan", REVERSE=reverse, PREFETCH=PREFETCH["on"],
-        WINDOW=window is not None, base_ptr=window[0] if window else None, hint_ptr=hint,
-        top=window[1] if window else 0, num_warps=SELECT_TUNE["num_warps"], **pdl_launch(src.device),
+        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] != "scan_nobranch", REVERSE=reverse, PREFETCH=PREFETCH["on"],
+        INLINE_STORE=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
     )  # fmt: skip
     return out
 
