@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,plain,pair,cols,layout,selwarps,merge,pairs]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -241,10 +241,11 @@ if "attend" in SECTIONS:
     attend_probe()
 
 
-def sweep_probe():
-    """Score + select launch grid (sixth session): scorer tile, prefetch of the next tile, GQA head adders, 4-bit
-    histogram counters, programs per SM, select tile and warps; at 128K x B8 and at an N that is not a multiple
-    of 16 (the decode case: rows padded, one wave of programs). Each line is checked against the default's set."""
+def sweep_probe(grid=None):
+    """Score + select launch grid (sixth session): scorer tile, prefetch of the next tile(s), GQA head adders,
+    4-bit histogram counters, programs per SM, select tile and warps; at 128K x B8 and at an N that is not a
+    multiple of 16 (the decode case: rows padded, one wave of programs). Each line is checked against the
+    default's set."""
     import itertools
 
     def run(batch, n, data):
@@ -271,8 +272,10 @@ def sweep_probe():
     qcs = [rand_codes(B, HQ, 1, 4) for _ in range(3)]
     saved = (dict(ham.TUNE), dict(tk.SELECT_TUNE), dict(tk.PACKED_NIBBLES))
     ref = run(B, N, ([c[:, :, :N] for c in spare], qcs))[2]
-    grid = list(itertools.product((512, 1024), (False, True), (False, True), (True,), (8, 16), ((512, 2),)))
-    grid += [(512, True, True, nibbles, 8, select) for nibbles in (False, True) for select in ((1024, 4), (256, 2))]
+    if grid is None:
+        grid = list(itertools.product((512, 1024), (False, True), (False, True), (True,), (8, 16), ((512, 2),)))
+        grid += [(512, True, True, nibbles, 8, select) for nibbles in (False, True)
+                 for select in ((1024, 4), (256, 2))]  # fmt: skip
     for block, prefetch, adders, nibbles, pps, (sblock, swarps) in grid:
         ham.TUNE.update(block=block, prefetch=prefetch, group_adders=adders, progs_per_sm=pps)
         tk.PACKED_NIBBLES["on"] = nibbles
@@ -291,6 +294,9 @@ def sweep_probe():
 
 if "sweep" in SECTIONS:
     sweep_probe()
+if "scoregrid" in SECTIONS:  # ninth session: tiles in flight ahead x programs per SM (occupancy by registers)
+    sweep_probe([(block, depth, True, True, pps, (512, 2)) for block in (512, 1024) for depth in (1, 2)
+                 for pps in (4, 6, 8)])  # fmt: skip
 
 
 def plain_probe():
@@ -529,3 +535,27 @@ def merge_probe():
 
 if "merge" in SECTIONS:
     merge_probe()
+
+
+def tail_probe():
+    """Rows a tile longer than equal chunks (decode lengths 2**17 + t): every chunk one tile longer (the rule
+    before the ninth session) against the last chunk taking the extra tile; whole spotlight step, alternating."""
+    import math
+
+    def ceil_chunking(rows, n, block, device, max_chunks=128, progs_per_sm=16):
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        want = min(max_chunks, max(1, progs_per_sm * sms // rows))
+        bpc = max(1, math.ceil(math.ceil(n / block) / want))
+        return math.ceil(math.ceil(n / block) / bpc), bpc
+
+    rule = tk.chunking
+    for _ in range(2):
+        for label, fn in (("ceil", ceil_chunking), ("tail", rule)):
+            tk.chunking = ham.chunking = fn
+            for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
+                step_result(label, batch, n, "score (hash + hamming + window histogram)")
+    tk.chunking = ham.chunking = rule
+
+
+if "tail" in SECTIONS:
+    tail_probe()

@@ -85,7 +85,7 @@ def test_hamming_group_sizes_triton(impl, g, bits):
 @here
 @pytest.mark.parametrize(
     "hist,nibbles,compact,scorer",
-    [("packed", False, "scan", {}), ("packed", True, "pairs", {}),
+    [("packed", False, "scan", {}), ("packed", True, "pairs", {"prefetch": 2}),
      ("packed_all", True, "scan_nobranch", {"prefetch": False}),
      ("packed_all", False, "atomic", {"group_adders": False}), ("atomic", True, "scan", {"prefetch": False})],
 )  # fmt: skip
@@ -121,6 +121,37 @@ def test_hamming_topk_triton(impl, k):
     idx = impl["_hamming_triton"].hamming_topk_triton(qc, kc, k, bits=128)
     scores = hamming_scores_reference(qc.cpu(), kc.cpu(), bits=128)
     assert_topk_set(scores, idx.cpu(), k)
+
+
+@here
+def test_hamming_topk_last_chunk_runs_to_row_end(impl):
+    """A row a tile longer than its equal chunks (decode lengths 2**17 + t): the last chunk takes the extra tile
+    in the scorer, the window histogram and both compactions; the selected set matches the reference."""
+    from sparsekv.kernels.hamming import hamming_topk_reference
+
+    tk = impl["_topk_triton"]
+    n = 4101  # 33 scorer tiles of 128 over 8 rows: 4 chunks of 8 tiles, the last with 9 (CPU counts 4 SMs)
+    if not CUDA:
+        assert tk.chunking(8, n, 128, torch.device("cpu"), progs_per_sm=8) == (4, 8)
+    gen = torch.Generator().manual_seed(5)
+    qc, kc = _codes((1, 32, 1, 4), gen), _codes((1, 8, n, 4), gen)
+    ref = hamming_topk_reference(qc.cpu(), kc.cpu(), 90, bits=128, recent_first=True, sink=1, local=2)
+    for hint in (None, torch.full((8,), 300, dtype=torch.int32, device=DEV)):
+        got = impl["_hamming_triton"].hamming_topk_triton(
+            qc, kc, 90, bits=128, recent_first=True, sink=1, local=2, threshold_hint=hint
+        )
+        assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+
+
+def test_chunking_gives_the_remainder_to_the_last_chunk():
+    from sparsekv.kernels._topk_triton import chunking
+
+    cpu = torch.device("cpu")  # 4 SMs
+    assert chunking(8, 4101, 128, cpu, progs_per_sm=8) == (4, 8)  # 33 tiles: 8, 8, 8, 9
+    assert chunking(8, 4096, 128, cpu, progs_per_sm=8) == (4, 8)
+    assert chunking(8, 4700, 128, cpu, progs_per_sm=8) == (4, 9)  # 37 tiles: 9, 9, 9, 10
+    assert chunking(8, 4900, 128, cpu, progs_per_sm=8) == (4, 10)  # 39 tiles: 10, 10, 10, 9 (3 over 9 each)
+    assert chunking(8, 1000, 128, cpu, progs_per_sm=8) == (4, 2)  # 8 tiles: 2, 2, 2, 2
 
 
 @here

@@ -30,7 +30,8 @@ from sparsekv.kernels._triton import next_pow2, pdl_launch
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
-# (group_words), for groups of up to 8. prefetch: the next tile's codes load while this one is scored.
+# (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
+# in flight (0 / False: none).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
         "group_adders": True, "prefetch": True}
 
@@ -156,19 +157,29 @@ def _hamming_kernel(
             base = window_base(tl.load(hint_ptr + r), forced_score, NBITS)
             tl.store(base_ptr + r, base, mask=c == 0)
     first = c * blocks_per_chunk * BLOCK + tl.arange(0, BLOCK)
+    # the last chunk runs to the end of the row (_topk_triton.chunking)
+    chunk_end = tl.where(c == num_chunks - 1, N, (c + 1) * blocks_per_chunk * BLOCK)
     if PREFETCH:
         nxt = _load_codes(k_base, first, first < N, N, w, wmask, W, skn, REVERSE, VEC)
-    for i in range(blocks_per_chunk):
+        if PREFETCH > 1:
+            ahead = first + BLOCK
+            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn, REVERSE, VEC)
+    for i in range(tl.cdiv(chunk_end - c * blocks_per_chunk * BLOCK, BLOCK)):
         offs = first + i * BLOCK
         nmask = offs < N
         # REVERSE: scores are stored newest key first, so that the selection's ties-to-the-lowest-position
         # rule keeps the most recent keys
         tok = (N - 1 - offs) if REVERSE else offs
-        if PREFETCH:  # the next tile's codes are in flight while this one is scored
+        if PREFETCH:  # the next PREFETCH tiles' codes are in flight while this one is scored
             kc = nxt
-            nxt_offs = offs + BLOCK
-            nxt_mask = (nxt_offs < N) & (nxt_offs < (c + 1) * blocks_per_chunk * BLOCK)  # within this chunk
-            nxt = _load_codes(k_base, nxt_offs, nxt_mask, N, w, wmask, W, skn, REVERSE, VEC)
+            ahead = offs + PREFETCH * BLOCK
+            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn,
+                                      REVERSE, VEC)  # fmt: skip
+            if PREFETCH > 1:
+                nxt = nxt2
+                nxt2 = ahead_codes
+            else:
+                nxt = ahead_codes
         else:
             kc = _load_codes(k_base, offs, nmask, N, w, wmask, W, skn, REVERSE, VEC)
         if HEADS0 > 0:
@@ -277,7 +288,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         HSLOT=levels if window else 0,
         HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
-        PREFETCH=TUNE["prefetch"],
+        PREFETCH=int(TUNE["prefetch"]),
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
     )
