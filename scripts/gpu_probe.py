@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -559,3 +559,31 @@ def tail_probe():
 
 if "tail" in SECTIONS:
     tail_probe()
+
+
+def oddn_probe():
+    """Scorer time at N = 2**17, 2**17 + 5 and 2**17 + 64, codes in a tensor of exactly N keys vs views of a buffer
+    with spare capacity (the decode cache), window hint warm; 128K x B8."""
+    n_max = N + 64
+    spare = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, n_max, 4), device=dev, dtype=torch.int32, generator=gen)
+             for _ in range(3)]  # fmt: skip
+    qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
+           for _ in range(3)]  # fmt: skip
+    for n in (N, N + 5, N + 64):
+        for layout in ("exact", "spare"):
+            codes = [c[:, :, :n].contiguous() if layout == "exact" else c[:, :, :n] for c in spare]
+            hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
+
+            def scored(i, codes=codes, hints=hints):
+                return ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True,
+                                              threshold_hint=hints[i])  # fmt: skip
+
+            for i in range(3):
+                ham.hamming_select(scored(i), K)
+            print(f"score N = {n} codes {layout}: {graph_us(scored, 3):.1f} us", flush=True)
+            del codes
+            torch.cuda.empty_cache()
+
+
+if "oddn" in SECTIONS:
+    oddn_probe()

@@ -111,6 +111,19 @@ def test_selector_query_heads_use_their_kv_head_hash():
     assert (scores[..., -1] == sel.code_bits).all()  # identical vectors match on every bit
 
 
+def test_code_buffer_capacity_is_a_multiple_of_64_keys():
+    """The GPU scorer's 16-byte code loads need a row stride of a multiple of 16 words: 64 keys of capacity."""
+    layer = LayerInfo(layer_idx=0, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, scaling=1.0)
+    sel = SpotlightSelector(SparseConfig(method="spotlight", dense_layers=(), options={"checkpoint": "none"}), layer)
+    keys = torch.randn(1, 2, 101, 8, generator=torch.Generator().manual_seed(0))
+    sel.prefill(keys, keys, keys[:, :, -1:].repeat_interleave(2, dim=1))
+    assert sel._codes.shape[-2] == 128 and sel.key_codes.shape[-2] == 101
+    for _ in range(30):
+        sel.append(keys[:, :, :1], keys[:, :, :1])
+    assert sel._codes.shape[-2] == 256 and sel.key_codes.shape[-2] == 131
+    assert torch.equal(sel.key_codes[..., :101, :], sel._hash(keys, "k"))
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     path = tmp_path_factory.mktemp("spot") / "hash.safetensors"

@@ -54,9 +54,11 @@ def run_attention(
     for _ in range(layers):
         keys = torch.randn(batch, hkv, context, d, device=dev, dtype=dt, generator=gen)
         values = torch.randn(batch, hkv, context, d, device=dev, dtype=dt, generator=gen)
+        # a view of a buffer with capacity in multiples of 64 keys, as the selectors' code caches hold them
         codes = torch.randint(
-            -(2**31), 2**31 - 1, (batch, hkv, context, words), device=dev, dtype=torch.int32, generator=gen
-        )
+            -(2**31), 2**31 - 1, (batch, hkv, -(-context // 64) * 64, words), device=dev, dtype=torch.int32,
+            generator=gen,
+        )[:, :, :context]
         q = torch.randn(batch, hq, 1, d, device=dev, dtype=dt, generator=gen)
         f32 = torch.float32
         if method == "spotlight":  # MLP d -> d -> bits plus the linear branch d -> bits
