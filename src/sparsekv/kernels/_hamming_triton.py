@@ -74,8 +74,9 @@ def group_terms(kc, u, v, m, HEADS: tl.constexpr, USE_POPC: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(k_base, tok, nmask, w, wmask, W: tl.constexpr, skn, VEC: tl.constexpr):
-    """[BLOCK, WP] code words of the keys at positions `tok`."""
+def _load_codes(k_base, offs, nmask, N, w, wmask, W: tl.constexpr, skn, REVERSE: tl.constexpr, VEC: tl.constexpr):
+    """[BLOCK, WP] code words of the keys at score positions `offs` (position N - 1 - offs with REVERSE)."""
+    tok = (N - 1 - offs) if REVERSE else offs
     if VEC:
         # W (constexpr) between tokens, unit stride between a token's words: one 16-byte load per token
         kptrs = k_base + tok[:, None].to(tl.int64) * W + w[None, :]
@@ -121,6 +122,7 @@ def _hamming_kernel(
     ONEHOT: tl.constexpr,
     VEC: tl.constexpr,
     USE_POPC: tl.constexpr,
+    REVERSE: tl.constexpr,
     PACKED: tl.constexpr,
     WINDOW: tl.constexpr = False,
     HSLOT: tl.constexpr = 0,
@@ -158,24 +160,28 @@ def _hamming_kernel(
     # the last chunk runs to the end of the row (_topk_triton.chunking)
     chunk_end = tl.where(c == num_chunks - 1, N, (c + 1) * blocks_per_chunk * BLOCK)
     if PREFETCH:
-        nxt = _load_codes(k_base, first, first < N, w, wmask, W, skn, VEC)
+        nxt = _load_codes(k_base, first, first < N, N, w, wmask, W, skn, REVERSE, VEC)
         if PREFETCH > 1:
             ahead = first + BLOCK
-            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), w, wmask, W, skn, VEC)
+            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn, REVERSE, VEC)
     for i in range(tl.cdiv(chunk_end - c * blocks_per_chunk * BLOCK, BLOCK)):
         offs = first + i * BLOCK
         nmask = offs < N
+        # REVERSE: scores are stored newest key first, so that the selection's ties-to-the-lowest-position
+        # rule keeps the most recent keys
+        tok = (N - 1 - offs) if REVERSE else offs
         if PREFETCH:  # the next PREFETCH tiles' codes are in flight while this one is scored
             kc = nxt
             ahead = offs + PREFETCH * BLOCK
-            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), w, wmask, W, skn, VEC)
+            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn,
+                                      REVERSE, VEC)  # fmt: skip
             if PREFETCH > 1:
                 nxt = nxt2
                 nxt2 = ahead_codes
             else:
                 nxt = ahead_codes
         else:
-            kc = _load_codes(k_base, offs, nmask, w, wmask, W, skn, VEC)
+            kc = _load_codes(k_base, offs, nmask, N, w, wmask, W, skn, REVERSE, VEC)
         if HEADS0 > 0:
             if not FULL:
                 kc = kc & word_mask[None, :]
@@ -193,7 +199,7 @@ def _hamming_kernel(
                 diff += popcount_tl(x, USE_POPC)
             score = G * bits - tl.sum(diff, axis=1)
         # sink / local keys always make the cut: they score above every real key
-        score = tl.where((offs < sink) | (offs >= N - local), forced_score, score)
+        score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
         tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
         if HIST:
             if WINDOW:
@@ -214,9 +220,10 @@ def _hamming_kernel(
         tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
-def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, sink=0, local=0, hint=None):
+def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
     """radix=(levels, nbits): also write the level-0 radix histograms, or with `hint` ([rows] int32, each row's
-    previous threshold) the threshold-window histogram instead. Forced (sink/local) keys score bits * g + 1."""
+    previous threshold) the threshold-window histogram instead. Forced (sink/local) keys score bits * g + 1;
+    `reverse` stores the scores newest key first."""
     b, hq, q, w = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     g = hq // hkv
@@ -275,6 +282,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, sink=0, loca
         VEC=TUNE["vec"],
         ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
+        REVERSE=reverse,
         PACKED=packed_bits(nbits, bpc, scorer=True) if radix is not None else 0,
         WINDOW=window,
         HSLOT=levels if window else 0,
@@ -317,8 +325,8 @@ def hamming_topk_triton(
 
 @dataclass
 class ScoreState:
-    """What the scoring pass hands to the selection: int16/int32 scores [B, Hkv, Q, N], the level-0 radix
-    histograms, and whether ties go to the more recent key (`recent_first`, applied by the compaction)."""
+    """What the scoring pass hands to the selection: int16/int32 scores [B, Hkv, Q, N] (newest key first when
+    `reverse`) and the level-0 radix histograms."""
 
     scores: torch.Tensor
     hist: torch.Tensor
@@ -327,7 +335,7 @@ class ScoreState:
     block: int
     levels: int
     nbits: int
-    recent_first: bool
+    reverse: bool
     window: tuple[torch.Tensor, int] | None = None  # (each row's window base, top score)
     hint: torch.Tensor | None = None
 
@@ -366,7 +374,7 @@ def hamming_score_hist(
         if nbits != WINDOW_BITS:
             threshold_hint = None  # ranges under 32 scores: one radix level is already exact
     scores, hist, num_chunks, bpc, block, base = _launch(
-        query_codes, key_codes, bits, dtype, (levels, nbits), sink=sink, local=local,
+        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=recent_first, sink=sink, local=local,
         hint=threshold_hint,
     )  # fmt: skip
     window = None if threshold_hint is None else (base, g * bits + 1)
@@ -379,6 +387,6 @@ def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
     out = radix_topk(
         scores.view(-1, scores.shape[-1]), k, lo=0, levels=state.levels, nbits=state.nbits, is_float=False,
         block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist, n_load=scores.stride(-2),
-        first_done=state.window is None, ties_last=state.recent_first, window=state.window, hint=state.hint,
+        first_done=state.window is None, reverse=state.reverse, window=state.window, hint=state.hint,
     )  # fmt: skip
     return out.view(*scores.shape[:-1], k)

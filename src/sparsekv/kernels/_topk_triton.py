@@ -5,7 +5,7 @@ cut into LEVELS digits of NBITS bits (int scores of range 513 -> 2 x 5 bits; flo
 writes, per (row, chunk), a 2**NBITS-bin histogram of digit l over the keys whose higher digits equal the
 threshold prefix found from levels < l. Every later kernel re-derives that prefix from the stored histograms
 (a few KB from L2), so there is no separate threshold launch. The compaction writes every key above the final
-threshold and the first `need` (by position; `ties_last`: the last `need`) equal to it: exactly k, deterministic.
+threshold and the first `need` (by position) equal to it: exactly k, deterministic.
 
 Histograms stay small on purpose: triton's histogram costs about bins/32 * log2(bins) operations per element,
 and 1024 bins made the first version 9x slower than scoring itself.
@@ -286,25 +286,13 @@ def row_threshold(hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunk
 
 
 @triton.jit
-def equal_keys_skipped(eq_chunk, need_eq, TIES_LAST: tl.constexpr):
-    """How many of a row's keys equal to the threshold, by position, come before the need_eq selected ones: none
-    (ties go to the lower positions) or, with TIES_LAST, all but the last need_eq (ties go to the higher, more
-    recent, positions)."""
-    if TIES_LAST:
-        return tl.sum(eq_chunk, axis=0) - need_eq
-    else:
-        return tl.zeros_like(need_eq)
-
-
-@triton.jit
-def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_gt, need_eq, skip,
+def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_gt, need_eq,
                 INLINE_STORE: tl.constexpr):
     cs = tl.cumsum(packed, axis=0)
-    rank = base_eq + (cs >> 16) - 1 - skip  # among the equal keys, from the first one taken
+    rank = base_eq + (cs >> 16) - 1
     # one slot per key (-1: not selected) and one store: the scatter store runs in its own register layout, and
     # each value it takes from the scan's layout is a shared-memory round trip with barriers
-    slot = tl.where(m_gt, base_gt + (cs & 0xFFFF) - 1,
-                    tl.where(m_eq & (rank >= 0) & (rank < need_eq), cnt_gt + rank, -1))  # fmt: skip
+    slot = tl.where(m_gt, base_gt + (cs & 0xFFFF) - 1, tl.where(m_eq & (rank < need_eq), cnt_gt + rank, -1))
     scatter_store_i64(out_row + slot, pos, slot >= 0, INLINE_STORE)
     return base_gt + (total & 0xFFFF), base_eq + (total >> 16)
 
@@ -330,7 +318,7 @@ def _compact_kernel(
     BLOCK: tl.constexpr,
     ATOMIC: tl.constexpr,
     BRANCH: tl.constexpr,
-    TIES_LAST: tl.constexpr = False,
+    REVERSE: tl.constexpr = False,
     PREFETCH: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
     base_ptr=None,
@@ -350,17 +338,15 @@ def _compact_kernel(
     cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
     base_gt = tl.sum(tl.where(chunks < c, gt_chunk, 0), axis=0)
     base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
-    skip = equal_keys_skipped(eq_chunk, need_eq, TIES_LAST)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     out_row = out_ptr + r.to(tl.int64) * k
     if ATOMIC:
         # Set semantics allow any output order, so slots come from one atomic counter per row. Only the order
-        # of equal keys matters (those of rank skip .. skip + need_eq - 1 by position), and only the chunks
-        # that straddle an end of that range need ranks: every other chunk takes all or none of its equal keys.
+        # of equal keys matters (the first `need_eq` by position), and only the chunk that straddles that
+        # quota needs ranks: every other chunk takes all or none of its equal keys.
         eq_here = tl.sum(tl.where(chunks == c, eq_chunk, 0), axis=0)
-        take_all = (base_eq >= skip) & (base_eq + eq_here <= skip + need_eq)
-        take_none = (base_eq + eq_here <= skip) | (base_eq >= skip + need_eq)
-        boundary = (take_all == 0) & (take_none == 0)
+        take_all = base_eq + eq_here <= need_eq
+        boundary = (base_eq < need_eq) & (base_eq + eq_here > need_eq)
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
     if PREFETCH:
         first = c * blocks_per_chunk + tl.arange(0, BLOCK)
@@ -379,28 +365,31 @@ def _compact_kernel(
         key = _key(raw, lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
-        pos = offs.to(tl.int64)
+        # REVERSE: the scores were stored newest key first; report the keys' own positions
+        pos = ((N - 1 - offs) if REVERSE else offs).to(tl.int64)
         if ATOMIC:
             if boundary:
                 rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-                sel = m_gt | (m_eq & (rank >= skip) & (rank < skip + need_eq))
+                sel = m_gt | (m_eq & (rank < need_eq))
                 base_eq += tl.sum(m_eq.to(tl.int32), axis=0)
             else:
                 sel = m_gt | (m_eq & (take_all + tl.zeros_like(offs) != 0))
             slot = tl.atomic_add(cnt_ptr + r + tl.zeros_like(offs), 1, mask=sel)
             tl.store(out_row + slot, pos, mask=sel)
         else:
-            m_eq = m_eq & ((base_eq + tl.zeros_like(offs)) < skip + need_eq)  # past the quota: no scan
+            m_eq = m_eq & (
+                (base_eq + tl.zeros_like(offs)) < need_eq
+            )  # equal keys past the quota need no scan
             # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
             packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
             total = tl.sum(packed, axis=0)
             if BRANCH:  # skip the scan of tiles without a selected key
                 if total != 0:
                     base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
-                                                   cnt_gt, need_eq, skip, INLINE_STORE)  # fmt: skip
+                                                   cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
             else:  # no data-dependent branch: lets the compiler pipeline the tile loads
                 base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
-                                               cnt_gt, need_eq, skip, INLINE_STORE)  # fmt: skip
+                                               cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
 
 
 SCORE_PAIRS = 4  # 32-bit words of two int16 scores per thread and tile row: one 16-byte load, 8 keys
@@ -416,40 +405,37 @@ def _pair_bits(words, const, W: tl.constexpr):
     return tl.sum(pair.to(tl.int32) << (2 * tl.arange(0, W))[None, :], axis=1)
 
 
-def _store_bits_asm() -> str:
-    """PTX of _store_bits: $1 m_gt, $2 gt_slot, $3 m_eq, $4 eq_slot, $5 pos0, $6 out_row, $7 eq_skip, $8 eq_take.
-    Each pass takes the lowest set bit b (m & -m; bfind gives b), clears it and stores pos0 + b at the next slot."""
-    lowest = "neg.s32 low, m; and.b32 low, m, low; xor.b32 m, m, low; "
+def _store_bits_asm(step: str) -> str:
+    """PTX of _store_bits: $1 m_gt, $2 gt_slot, $3 m_eq, $4 eq_slot, $5 pos0, $6 out_row, $7 eq_allowed. Each
+    pass takes the lowest set bit b (bfind of m & -m), clears it and stores pos0 -/+ b at slot s, s + 1, ..."""
     store = (
-        lowest + "bfind.u32 j, low; cvt.s64.s32 jj, j; add.s64 v, $5, jj; mul.wide.s32 a, s, 8; add.s64 a, a, $6; "
-        "st.global.b64 [a], v; add.s32 s, s, 1; "
+        "neg.s32 low, m; and.b32 low, m, low; xor.b32 m, m, low; bfind.u32 j, low; cvt.s64.s32 jj, j; "
+        f"{step} v, $5, jj; mul.wide.s32 a, s, 8; add.s64 a, a, $6; st.global.b64 [a], v; add.s32 s, s, 1; "
     )
     return (
-        "{ .reg .pred p; .reg .b32 m, low, j, s, n, z; .reg .b64 a, v, jj; mov.b32 m, $1; mov.b32 s, $2; "
+        "{ .reg .pred p; .reg .b32 m, low, j, s, n; .reg .b64 a, v, jj; mov.b32 m, $1; mov.b32 s, $2; "
         f"GT${{:uid}}: setp.eq.b32 p, m, 0; @p bra EQ${{:uid}}; {store}bra GT${{:uid}}; "
-        "EQ${:uid}: mov.b32 m, $3; mov.b32 s, $4; mov.b32 z, $7; mov.b32 n, $8; "
-        "SKIP${:uid}: setp.eq.b32 p, z, 0; @p bra EQL${:uid}; setp.eq.b32 p, m, 0; @p bra END${:uid}; "
-        f"{lowest}sub.s32 z, z, 1; bra SKIP${{:uid}}; "
+        "EQ${:uid}: mov.b32 m, $3; mov.b32 s, $4; mov.b32 n, $7; "
         f"EQL${{:uid}}: setp.eq.b32 p, m, 0; setp.eq.or.b32 p, n, 0, p; @p bra END${{:uid}}; {store}"
         "sub.s32 n, n, 1; bra EQL${:uid}; END${:uid}: mov.b32 $0, 0; }"
     )
 
 
-STORE_BITS_ASM = tl.constexpr(_store_bits_asm())
+STORE_BITS_ASM = tl.constexpr((_store_bits_asm("add.s64"), _store_bits_asm("sub.s64")))
 
 
 @triton.jit
-def _store_bits(out_row, m_gt, gt_slot, m_eq, eq_slot, eq_skip, eq_take, pos0, KEYS: tl.constexpr,
+def _store_bits(out_row, m_gt, gt_slot, m_eq, eq_slot, eq_allowed, pos0, KEYS: tl.constexpr, REVERSE: tl.constexpr,
                 INLINE: tl.constexpr, USE_POPC: tl.constexpr):  # fmt: skip
     """Each thread writes the positions of its row's selected keys: every set bit b of m_gt to slots gt_slot,
-    gt_slot + 1, ...; of m_eq's set bits, it passes over the first eq_skip and writes the next eq_take to eq_slot,
-    eq_slot + 1, ...; key b's position is pos0 + b. INLINE (GPU): a PTX loop over the set bits, so a thread with
-    nothing selected, the usual case at a 2% budget, does no per-key work. Otherwise one masked store per bit."""
+    gt_slot + 1, ... and the first eq_allowed set bits of m_eq to eq_slot, ...; key b's position is pos0 + b
+    (pos0 - b with REVERSE). INLINE (GPU): a PTX loop over the set bits, so a thread with nothing selected, the
+    usual case at a 2% budget, does no per-key work. Otherwise one masked store per bit."""
     if INLINE:
         tl.inline_asm_elementwise(
-            STORE_BITS_ASM,
-            "=r,r,r,r,r,l,l,r,r",
-            [m_gt, gt_slot, m_eq, eq_slot, pos0, out_row, eq_skip, eq_take],
+            STORE_BITS_ASM[1] if REVERSE else STORE_BITS_ASM[0],
+            "=r,r,r,r,r,l,l,r",
+            [m_gt, gt_slot, m_eq, eq_slot, pos0, out_row, eq_allowed],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
@@ -457,14 +443,14 @@ def _store_bits(out_row, m_gt, gt_slot, m_eq, eq_slot, eq_skip, eq_take, pos0, K
     else:
         for b in tl.static_range(KEYS):
             below = (1 << b) - 1
-            eq_rank = popcount_tl(m_eq & below, USE_POPC) - eq_skip
-            eq_sel = (((m_eq >> b) & 1) != 0) & (eq_rank >= 0) & (eq_rank < eq_take)
+            eq_rank = popcount_tl(m_eq & below, USE_POPC)
             slot = tl.where(
                 ((m_gt >> b) & 1) != 0,
                 gt_slot + popcount_tl(m_gt & below, USE_POPC),
-                tl.where(eq_sel, eq_slot + eq_rank, -1),
+                tl.where((((m_eq >> b) & 1) != 0) & (eq_rank < eq_allowed), eq_slot + eq_rank, -1),
             )
-            tl.store(out_row + slot, pos0 + b, mask=slot >= 0)
+            pos = (pos0 - b) if REVERSE else (pos0 + b)
+            tl.store(out_row + slot, pos, mask=slot >= 0)
 
 
 @triton.jit
@@ -485,7 +471,7 @@ def _compact_pairs_kernel(
     CP: tl.constexpr,
     BLOCK: tl.constexpr,
     W: tl.constexpr,
-    TIES_LAST: tl.constexpr = False,
+    REVERSE: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
     base_ptr=None,
     hint_ptr=None,
@@ -514,7 +500,6 @@ def _compact_pairs_kernel(
     cnt_gt = k - need_eq
     base_gt = tl.sum(tl.where(chunks < c, gt_chunk, 0), axis=0)
     base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
-    skip = equal_keys_skipped(eq_chunk, need_eq, TIES_LAST)
     KEYS: tl.constexpr = 2 * W
     R: tl.constexpr = BLOCK // KEYS
     words_row = (src_ptr + r.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
@@ -536,18 +521,17 @@ def _compact_pairs_kernel(
         valid = (1 << tl.minimum(tl.maximum(limit - key0, 0), KEYS)) - 1
         m_gt = _pair_bits(words, c_gt, W) & valid
         m_eq = (_pair_bits(words, c_ge, W) & ~m_gt) & valid
-        m_eq = tl.where(base_eq < skip + need_eq, m_eq, 0)  # equal keys past the quota are not stored
+        m_eq = tl.where(base_eq < need_eq, m_eq, 0)  # equal keys past the quota are not stored
         n_eq = popcount_tl(m_eq, USE_POPC)
         packed = popcount_tl(m_gt, USE_POPC) + (n_eq << 16)
         total = tl.sum(packed, axis=0)
         if total != 0:
             before = tl.cumsum(packed, axis=0) - packed
-            eq_rank = base_eq + (before >> 16)  # the row's rank of this thread's first equal key
-            eq_skip = tl.minimum(tl.maximum(skip - eq_rank, 0), n_eq)
-            eq_take = tl.minimum(tl.maximum(skip + need_eq - eq_rank - eq_skip, 0), n_eq - eq_skip)
-            _store_bits(out_row + tl.zeros_like(rows), m_gt, base_gt + (before & 0xFFFF), m_eq,
-                        cnt_gt + eq_rank + eq_skip - skip, eq_skip, eq_take, key0.to(tl.int64), KEYS, INLINE,
-                        USE_POPC)  # fmt: skip
+            eq_rank = base_eq + (before >> 16)
+            allowed = tl.minimum(tl.maximum(need_eq - eq_rank, 0), n_eq)
+            pos0 = ((N - 1 - key0) if REVERSE else key0).to(tl.int64)
+            _store_bits(out_row + tl.zeros_like(rows), m_gt, base_gt + (before & 0xFFFF), m_eq, cnt_gt + eq_rank,
+                        allowed, pos0, KEYS, REVERSE, INLINE, USE_POPC)  # fmt: skip
             base_gt += total & 0xFFFF
             base_eq += total >> 16
 
@@ -633,10 +617,10 @@ def pairs_ok(src: torch.Tensor, lo: int, is_float: bool, n_load: int, chunk_len:
     return src.dtype == torch.int16 and not is_float and lo >= 0 and aligned
 
 
-def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, ties_last=False,
+def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False,
                   window=None, hint=None, n_load=None):  # fmt: skip
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
-    (`ties_last`: of the keys equal to the threshold, the last ones by position). With `window` (see
+    (`reverse`: src holds the keys newest first, and N - 1 - position comes out). With `window` (see
     radix_levels) each row's threshold score is written to `hint` [R] int32 for the next call."""
     rows, n = src.shape
     n_load = n if n_load is None else n_load
@@ -656,7 +640,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
         _compact_pairs_kernel[(num_chunks, rows)](
             src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
-            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, TIES_LAST=ties_last, INLINE=src.is_cuda and PAIRS_INLINE["on"],
+            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
             USE_POPC=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
         )  # fmt: skip
         return out
@@ -664,14 +648,14 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     _compact_kernel[(num_chunks, rows)](
         src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
-        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] != "scan_nobranch", TIES_LAST=ties_last, PREFETCH=PREFETCH["on"],
+        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] != "scan_nobranch", REVERSE=reverse, PREFETCH=PREFETCH["on"],
         INLINE_STORE=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
     )  # fmt: skip
     return out
 
 
 def radix_topk(
-    src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, ties_last=False,
+    src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, reverse=False,
     window=None, hint=None, n_load=None,
 ):
     """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64."""
@@ -686,7 +670,7 @@ def radix_topk(
         "n_load": n_load,
     }
     hist = radix_levels(src, k, hist=hist, first_done=first_done, window=window, **kw)
-    return radix_compact(src, k, hist, ties_last=ties_last, window=window, hint=hint, **kw)
+    return radix_compact(src, k, hist, reverse=reverse, window=window, hint=hint, **kw)
 
 
 def _rows(scores: torch.Tensor) -> torch.Tensor:
@@ -698,21 +682,19 @@ def _block(n: int) -> int:
     return 1024 if n >= 16384 else 256
 
 
-def _select(scores: torch.Tensor, k: int, lo: int, levels: int, nbits: int, is_float: bool,
-            ties_last: bool = False) -> torch.Tensor:  # fmt: skip
+def _select(scores: torch.Tensor, k: int, lo: int, levels: int, nbits: int, is_float: bool) -> torch.Tensor:
     src = _rows(scores)
     rows, n = src.shape
     block = _block(n)
     num_chunks, bpc = chunking(rows, n, block, src.device, max_chunks=max_chunks(nbits))
     out = radix_topk(src, k, lo=lo, levels=levels, nbits=nbits, is_float=is_float, block=block,
-                     num_chunks=num_chunks, bpc=bpc, ties_last=ties_last)  # fmt: skip
+                     num_chunks=num_chunks, bpc=bpc)  # fmt: skip
     return out.reshape(*scores.shape[:-1], k)
 
 
-def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int, ties_last: bool = False) -> torch.Tensor:
-    """ties_last: equal scores at the threshold go to the higher positions (default: the lower ones)."""
+def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
     levels, nbits = int_levels(hi - lo + 1)
-    return _select(scores, k, lo, levels, nbits, False, ties_last)
+    return _select(scores, k, lo, levels, nbits, False)
 
 
 def select_topk_float(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -15,15 +15,11 @@ def select_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, dim=-1, sorted=False).indices
 
 
-def select_topk(
-    scores: torch.Tensor, k: int, *, value_range: tuple[int, int] | None = None, recent_first: bool = False
-) -> torch.Tensor:
-    """Indices [B, S, Q, min(k, N)] int64 of the k largest scores per row.
+def select_topk(scores: torch.Tensor, k: int, *, value_range: tuple[int, int] | None = None) -> torch.Tensor:
+    """Indices [B, S, Q, min(k, N)] int64 of the k largest scores per row, ties broken deterministically.
 
     On CUDA, integer scores with a small range (Hamming: 0..bits*g) take the sort-free histogram path; pass
-    `value_range=(lo, hi)` (inclusive) when the caller knows it, which saves one pass over the scores. That path
-    breaks ties deterministically: the lower positions first, or the higher ones with `recent_first`. The
-    torch.topk path (CPU, floats) leaves the order of equal scores to torch.
+    `value_range=(lo, hi)` (inclusive) when the caller knows it, which saves one pass over the scores.
     """
     from sparsekv.kernels._triton import use_triton
 
@@ -36,7 +32,7 @@ def select_topk(
             else:
                 lo, hi = value_range
             if hi - lo < impl.MAX_BINS:
-                return impl.select_topk_int(scores, int(k), lo, hi, ties_last=recent_first)
+                return impl.select_topk_int(scores, int(k), lo, hi)
         # float scores: the 4 x 8-bit radix kernel (impl.select_topk_float) measured about 2x slower than
         # torch.topk on the H200 (BENCHMARKS.md), so floats stay on torch.topk
     return select_topk_reference(scores, k)

@@ -196,13 +196,14 @@ def _all_keys(shape: tuple[int, ...], n: int, device) -> Selection:
     return every_index(torch.arange(n, device=device).expand(*shape, n).contiguous())
 
 
-def _force(scores: torch.Tensor, sink: int, local: int, value) -> torch.Tensor:
-    """Sets the first `sink` and last `local` keys to `value`, in place."""
+def _force(scores: torch.Tensor, sink: int, local: int, value, flipped: bool = False) -> torch.Tensor:
+    """Sets the first `sink` and last `local` keys (of the unflipped order) to `value`, in place."""
     n = scores.shape[-1]
-    if sink:
-        scores[..., :sink] = value
-    if local:
-        scores[..., n - local :] = value
+    head, tail = (local, sink) if flipped else (sink, local)
+    if head:
+        scores[..., :head] = value
+    if tail:
+        scores[..., n - tail :] = value
     return scores
 
 
@@ -226,8 +227,8 @@ def int_topk_selection(
 
     Returns None where it does not apply (CPU, no Triton, or a step that is not `uniform`); the caller then runs
     its own rule. On uniform steps the chosen set equals the CPU rule (score, then position, forced on top): the
-    histogram select gives equal scores to the highest positions (`recent_first`), and forced keys score hi + 1.
-    No host sync, no sort.
+    scores are reversed along the keys, so the histogram select's deterministic rule among equal scores (lowest
+    position first) picks the highest original positions, and forced keys score hi + 1. No host sync, no sort.
     """
     from sparsekv.kernels._triton import use_triton
 
@@ -248,10 +249,13 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
     forced = bool(hints.sink or hints.local)
     top = hi + 1 if forced else hi
     small = -(2**15) <= lo and top < 2**15
-    work = scores.to(torch.int16 if small else torch.int32)  # a copy unless scores already have that dtype
+    flipped = scores.flip(-1)
+    flipped = flipped.to(torch.int16) if small else flipped.to(torch.int32)
     if forced:
-        work = _force(work.clone() if work is scores else work, hints.sink, hints.local, top)
-    return every_index(select_topk(work, hints.max_budget, value_range=(lo, top), recent_first=True))
+        _force(flipped, hints.sink, hints.local, top, flipped=True)
+    picked = select_topk(flipped, hints.max_budget, value_range=(lo, top))
+    indices = (n - 1) - picked
+    return every_index(indices)
 
 
 # The threshold window pays off from about this many scored keys per step (H200, 2% budget: 128K x 64 rows and
