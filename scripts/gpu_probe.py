@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -587,3 +587,8 @@ def oddn_probe():
 
 if "oddn" in SECTIONS:
     oddn_probe()
+
+
+if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run per source tree for an A/B)
+    for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
+        step_result("step", batch, n, "score (hash + hamming + window histogram)")
