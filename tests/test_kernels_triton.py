@@ -124,17 +124,21 @@ def test_hamming_topk_triton(impl, k):
 
 
 @here
-def test_hamming_topk_last_chunk_runs_to_row_end(impl):
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_hamming_topk_last_chunk_runs_to_row_end(impl, monkeypatch, split):
     """A row a tile longer than its equal chunks (decode lengths 2**17 + t): the last chunk takes the extra tile
-    in the scorer, the window histogram and both compactions; the selected set matches the reference."""
+    in the scorer, the window histogram and both compactions; the selected set matches the reference, with each
+    scorer program's histogram in 1, 2 or 4 sub-chunks (the selection's chunks)."""
     from sparsekv.kernels.hamming import hamming_topk_reference
 
+    monkeypatch.setitem(impl["_hamming_triton"].TUNE, "hist_split", split)
     tk = impl["_topk_triton"]
     n = 4101  # 33 scorer tiles of 128 over 8 rows: 4 chunks of 8 tiles, the last with 9 (CPU counts 4 SMs)
-    if not CUDA:
-        assert tk.chunking(8, n, 128, torch.device("cpu"), progs_per_sm=8) == (4, 8)
     gen = torch.Generator().manual_seed(5)
     qc, kc = _codes((1, 32, 1, 4), gen), _codes((1, 8, n, 4), gen)
+    if not CUDA:
+        assert tk.chunking(8, n, 128, torch.device("cpu"), progs_per_sm=8) == (4, 8)
+        assert impl["_hamming_triton"].hamming_score_hist(qc, kc, bits=128).num_chunks == 4 * split
     ref = hamming_topk_reference(qc.cpu(), kc.cpu(), 90, bits=128, recent_first=True, sink=1, local=2)
     for hint in (None, torch.full((8,), 300, dtype=torch.int32, device=DEV)):
         got = impl["_hamming_triton"].hamming_topk_triton(
@@ -144,7 +148,13 @@ def test_hamming_topk_last_chunk_runs_to_row_end(impl):
 
 
 def test_chunking_gives_the_remainder_to_the_last_chunk():
-    from sparsekv.kernels._topk_triton import chunking
+    from sparsekv.kernels._topk_triton import chunking, max_chunk_tiles, packed_bits
+
+    # 241 tiles in 16 chunks: 15 each and 16 in the last, one more than 4-bit histogram counters hold
+    assert max_chunk_tiles(241 * 512, 512, 16, 15) == 16 and packed_bits(5, 16, scorer=True) == 8
+    assert max_chunk_tiles(240 * 512, 512, 16, 15) == 15 and packed_bits(5, 15, scorer=True) == 4
+    # packed_counts adds counters in 16-bit halves: a program's keys stay below 2**16
+    assert packed_bits(5, 127, scorer=True, block=512) == 8 and packed_bits(5, 128, scorer=True, block=512) == 0
 
     cpu = torch.device("cpu")  # 4 SMs
     assert chunking(8, 4101, 128, cpu, progs_per_sm=8) == (4, 8)  # 33 tiles: 8, 8, 8, 9

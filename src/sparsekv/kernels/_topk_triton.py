@@ -166,10 +166,20 @@ def packed_add(acc, digit, ok, PACKED: tl.constexpr):
 
 @triton.jit
 def packed_counts(acc, PACKED: tl.constexpr):
-    """The 32-bin histogram held by packed_add's counters."""
+    """The 32-bin histogram held by packed_add's counters. A program has fewer than 2**16 keys (packed_bits), so
+    counters j and j + PER / 2 of a word add across lanes as the two 16-bit halves of one word: PER / 2 sums
+    of the [BLOCK, PACKED] tile instead of one of a [BLOCK, PACKED, PER] unpacked tile, whose registers the
+    scorer cannot spare (80 -> 64 at the end of the kernel, and inside its loop with hist_split)."""
     PER: tl.constexpr = 32 // PACKED
-    unpacked = (acc[:, :, None] >> (tl.arange(0, PER) * PACKED)[None, None, :]) & ((1 << PACKED) - 1)
-    return tl.reshape(tl.sum(unpacked, axis=0), [32])
+    HALF: tl.constexpr = PER // 2
+    MASK: tl.constexpr = ((1 << PACKED) - 1) * 0x10001
+    j = tl.arange(0, PER)
+    counts = tl.zeros([PACKED, PER], dtype=tl.int32)
+    for p in tl.static_range(HALF):
+        pair = tl.sum((acc >> (PACKED * p)) & MASK, axis=0)
+        counts += tl.where(j[None, :] == p, (pair & 0xFFFF)[:, None], 0)
+        counts += tl.where(j[None, :] == p + HALF, (pair >> 16)[:, None], 0)
+    return tl.reshape(counts, [32])
 
 
 @triton.jit
@@ -556,6 +566,11 @@ def chunking(
     return triton.cdiv(blocks, blocks_per_chunk), blocks_per_chunk
 
 
+def max_chunk_tiles(n: int, block: int, num_chunks: int, bpc: int) -> int:
+    """Tiles of `block` keys in the longest chunk: the last chunk runs to the end of the row (`chunking`)."""
+    return max(bpc, triton.cdiv(n, block) - (num_chunks - 1) * bpc)
+
+
 def max_chunks(nbits: int) -> int:
     """Chunks per row such that one [chunks, bins] histogram tile stays in registers when re-derived."""
     return max(1, min(128, 8192 >> nbits))
@@ -574,11 +589,13 @@ def _sblock(chunk_len: int) -> int:
     return min(SELECT_TUNE["block"], triton.next_power_of_2(chunk_len))
 
 
-def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False) -> int:
+def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False, block: int = 512) -> int:
     """Counter width of the packed histogram (0: tl.histogram). One lane sees one key per tile, so 4-bit
-    counters hold up to 15 tiles a program: half the columns and compares of byte counters."""
+    counters hold up to 15 tiles a program: half the columns and compares of byte counters. A program's keys
+    (tiles x block) must stay below 2**16 (packed_counts)."""
     modes = ("packed", "packed_all") if scorer else ("packed_all",)
-    if HIST_MODE["mode"] not in modes or nbits != 5 or tiles_per_program > PACKED_MAX_TILES:
+    too_many = tiles_per_program > PACKED_MAX_TILES or tiles_per_program * block >= 1 << 16
+    if HIST_MODE["mode"] not in modes or nbits != 5 or too_many:
         return 0
     return 4 if tiles_per_program <= 15 and PACKED_NIBBLES["on"] else 8
 
@@ -586,7 +603,8 @@ def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False) -> int
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
                  window=None, n_load=None):  # fmt: skip
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
-    Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the same split as the histograms.
+    Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the last chunk to the end of the row: the
+    same split as the histograms.
     window=(base [R] int32, top): the scorer wrote a threshold-window histogram after the levels; the levels
     then run only for the rows whose threshold it did not pin down (launched for every row: no host sync).
     n_load: how far each row may be read (default N). Rows padded to a multiple of 16 keep the score loads
@@ -603,7 +621,8 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             src, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
-            PACKED=packed_bits(nbits, triton.cdiv(chunk_len, sb)), PREFETCH=PREFETCH["on"],
+            PACKED=packed_bits(nbits, max_chunk_tiles(n_load, sb, num_chunks, triton.cdiv(chunk_len, sb)), block=sb),
+            PREFETCH=PREFETCH["on"],
             WINDOW=window is not None, base_ptr=base, top=top, num_warps=SELECT_TUNE["num_warps"],
             **pdl_launch(src.device),
         )  # fmt: skip
