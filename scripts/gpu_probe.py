@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,split]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -593,18 +593,3 @@ if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run 
     for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
         step_result("step", batch, n, "score (hash + hamming + window histogram)")
 
-
-def split_probe():
-    """Histograms per scorer program (`hist_split`: the selection runs that many times the scorer's programs):
-    the whole spotlight step, alternating, twice."""
-    saved = ham.TUNE["hist_split"]
-    for _ in range(2):
-        for split in (1, 2, 4):
-            ham.TUNE["hist_split"] = split
-            for batch, n in ((8, 131072), (8, 131077), (1, 32768)):
-                step_result(f"split {split}", batch, n, "select (threshold in the window + compaction)")
-    ham.TUNE["hist_split"] = saved
-
-
-if "split" in SECTIONS:
-    split_probe()

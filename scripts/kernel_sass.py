@@ -38,7 +38,7 @@ def _kernels() -> dict:
     score_sig = {name: "*i32" for name in ("q_ptr", "k_ptr", "hist_ptr", "hint_ptr", "base_ptr")}
     score_sig["out_ptr"] = "*i16"
     score_sig |= {name: I32 for name in ("N", "Q", "HKV", "bits", "num_chunks", "blocks_per_chunk", "sqb", "sqh",
-                                         "sqq", "skb", "skh", "skn", "sob", "soh", "soq", "sink", "local", "hist_tiles",
+                                         "sqq", "skb", "skh", "skn", "sob", "soh", "soq", "sink", "local",
                                          "forced_score")}  # fmt: skip
     attn_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "idx_ptr": "*i64", "valid_ptr": "*u8",
                 "o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "tickets_ptr": "*i32"}  # fmt: skip
@@ -61,8 +61,7 @@ def _kernels() -> dict:
         "score": (ham._hamming_kernel, score_sig,
                   {"G": 4, "W": 4, "WP": 4, "BLOCK": ham.TUNE["block"], "HIST": True, "NBITS": 5, "LEVELS": 2,
                    "FULL": True, "ONEHOT": False, "VEC": True, "USE_POPC": True, "REVERSE": True, "PACKED": 4,
-                   "WINDOW": True, "HSLOT": 2, "USE_PDL": True, "HEADS0": 4, "HEADS1": 0, "PREFETCH": True,
-                   "SPLIT": 2},
+                   "WINDOW": True, "HSLOT": 2, "USE_PDL": True, "HEADS0": 4, "HEADS1": 0, "PREFETCH": True},
                   ("N", "sqb", "sqh", "skb", "skh", "skn", "sob", "soh", "num_chunks", "blocks_per_chunk"),
                   ham.TUNE["num_warps"]),
         "attention": (sa._partial_kernel, attn_sig,

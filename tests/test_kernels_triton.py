@@ -124,21 +124,18 @@ def test_hamming_topk_triton(impl, k):
 
 
 @here
-@pytest.mark.parametrize("split", [1, 2, 4])
-def test_hamming_topk_last_chunk_runs_to_row_end(impl, monkeypatch, split):
+def test_hamming_topk_last_chunk_runs_to_row_end(impl):
     """A row a tile longer than its equal chunks (decode lengths 2**17 + t): the last chunk takes the extra tile
-    in the scorer, the window histogram and both compactions; the selected set matches the reference, with each
-    scorer program's histogram in 1, 2 or 4 sub-chunks (the selection's chunks)."""
+    in the scorer, the window histogram and both compactions; the selected set matches the reference."""
     from sparsekv.kernels.hamming import hamming_topk_reference
 
-    monkeypatch.setitem(impl["_hamming_triton"].TUNE, "hist_split", split)
     tk = impl["_topk_triton"]
     n = 4101  # 33 scorer tiles of 128 over 8 rows: 4 chunks of 8 tiles, the last with 9 (CPU counts 4 SMs)
     gen = torch.Generator().manual_seed(5)
     qc, kc = _codes((1, 32, 1, 4), gen), _codes((1, 8, n, 4), gen)
     if not CUDA:
         assert tk.chunking(8, n, 128, torch.device("cpu"), progs_per_sm=8) == (4, 8)
-        assert impl["_hamming_triton"].hamming_score_hist(qc, kc, bits=128).num_chunks == 4 * split
+        assert impl["_hamming_triton"].hamming_score_hist(qc, kc, bits=128).num_chunks == 4
     ref = hamming_topk_reference(qc.cpu(), kc.cpu(), 90, bits=128, recent_first=True, sink=1, local=2)
     for hint in (None, torch.full((8,), 300, dtype=torch.int32, device=DEV)):
         got = impl["_hamming_triton"].hamming_topk_triton(

@@ -32,10 +32,9 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none). hist_split: histograms per scorer program, so that the selection runs that many
-# times as many programs as the scorer.
+# in flight (0 / False: none).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
-        "group_adders": True, "prefetch": True, "hist_split": 2}
+        "group_adders": True, "prefetch": True}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -88,12 +87,6 @@ def _load_codes(k_base, offs, nmask, N, w, wmask, W: tl.constexpr, skn, REVERSE:
 
 
 @triton.jit
-def store_hist(hist_ptr, row, chunk, num_chunks, h, NBITS: tl.constexpr):
-    """Histogram h [2**NBITS] of (slot-major) row `row`, chunk `chunk` of the selection's num_chunks."""
-    tl.store(hist_ptr + (row.to(tl.int64) * num_chunks + chunk) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
-
-
-@triton.jit
 def _hamming_kernel(
     q_ptr,
     k_ptr,
@@ -138,8 +131,6 @@ def _hamming_kernel(
     HEADS0: tl.constexpr = 0,
     HEADS1: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1,
-    hist_tiles=1,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -223,18 +214,11 @@ def _hamming_kernel(
                 acc = packed_add(acc, digit, ok, PACKED)
             else:
                 h += digit_histogram(key, nmask, 0, shift, NBITS, True, ONEHOT)
-            if SPLIT > 1:  # sub-chunks of hist_tiles tiles: each gets its own histogram (the last one the rest)
-                sub = i // hist_tiles
-                if ((i + 1) % hist_tiles == 0) & (sub < SPLIT - 1):
-                    if PACKED:
-                        h = packed_counts(acc, PACKED)
-                        acc = tl.zeros([BLOCK, PACKED], dtype=tl.int32)
-                    store_hist(hist_ptr, HSLOT * tl.num_programs(1) + r, c * SPLIT + sub, num_chunks * SPLIT, h, NBITS)
-                    h = tl.zeros([1 << NBITS], dtype=tl.int32)
     if HIST:
         if PACKED:
             h = packed_counts(acc, PACKED)
-        store_hist(hist_ptr, HSLOT * tl.num_programs(1) + r, c * SPLIT + SPLIT - 1, num_chunks * SPLIT, h, NBITS)
+        row = HSLOT * tl.num_programs(1) + r.to(tl.int64)
+        tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
 def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
@@ -261,16 +245,11 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         progs_per_sm=TUNE["progs_per_sm"] if radix is not None else TUNE["progs_per_sm_plain"],
     )
     window = radix is not None and hint is not None
-    # each scorer program's histogram in `split` sub-chunks: the selection's chunks (and programs) are finer
-    # than the scorer's
-    split = TUNE["hist_split"] if radix is not None else 1
-    if bpc % split or num_chunks * split > max_chunks(nbits):
-        split = 1
     if radix is not None:
         # level 0 of the radix select (or the window, stored after the levels) is written here; the rest by
         # _topk_triton
         slots = levels + 1 if window else levels
-        hist = torch.empty(slots, rows, num_chunks * split, 1 << nbits, dtype=torch.int32, device=key_codes.device)
+        hist = torch.empty(slots, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=key_codes.device)
     else:
         hist = out  # unused
     base = torch.empty(rows, dtype=torch.int32, device=key_codes.device) if window else None
@@ -305,19 +284,16 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
         REVERSE=reverse,
-        PACKED=packed_bits(nbits, max_chunk_tiles(n, block, num_chunks * split, bpc // split), True, block)
-        if radix is not None else 0,
+        PACKED=packed_bits(nbits, max_chunk_tiles(n, block, num_chunks, bpc), True, block) if radix is not None else 0,
         WINDOW=window,
         HSLOT=levels if window else 0,
         HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
         PREFETCH=int(TUNE["prefetch"]),
-        SPLIT=split,
-        hist_tiles=bpc // split,
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
     )
-    return out, hist, num_chunks * split, bpc // split, block, base
+    return out, hist, num_chunks, bpc, block, base
 
 
 def hamming_scores_triton(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
