@@ -300,8 +300,8 @@ def _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq, cnt_g
                 INLINE_STORE: tl.constexpr):
     cs = tl.cumsum(packed, axis=0)
     rank = base_eq + (cs >> 16) - 1
-    # one slot per key (-1: not selected) and one store: the scatter store runs in its own register layout, and
-    # each value it takes from the scan's layout is a shared-memory round trip with barriers
+    # one slot per key (-1: not selected) and one store. tl.store would run in a register layout of its own, each
+    # value taken from the scan's layout a shared-memory round trip; on the GPU scatter_store_i64 stores in place
     slot = tl.where(m_gt, base_gt + (cs & 0xFFFF) - 1, tl.where(m_eq & (rank < need_eq), cnt_gt + rank, -1))
     scatter_store_i64(out_row + slot, pos, slot >= 0, INLINE_STORE)
     return base_gt + (total & 0xFFFF), base_eq + (total >> 16)
