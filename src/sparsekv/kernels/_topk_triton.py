@@ -274,9 +274,10 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
 @triton.jit
 def row_threshold(hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS: tl.constexpr,
                   NBITS: tl.constexpr, CP: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
-    """Row r's threshold key, equal keys still to place, per-chunk counts above / equal (derive_threshold), from
-    the window histogram where it pins the threshold down, else from the radix levels. With WINDOW, chunk 0
-    stores the threshold score to `hint_ptr` (the next decode step centres its window on it)."""
+    """Row r's threshold key, equal keys still to place, the keys above / equal to it in the chunks before c
+    (chunk c's first slots) and each chunk's equal keys, from the window histogram where it pins the threshold
+    down, else from the radix levels. With WINDOW, chunk 0 stores the threshold score to
+    `hint_ptr` (the next decode step centres its window on it)."""
     if WINDOW:
         thr, need_eq, gt_chunk, eq_chunk, base, exact = window_threshold(
             hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
@@ -292,7 +293,10 @@ def row_threshold(hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunk
         thr, need_eq, gt_chunk, eq_chunk = derive_threshold(
             hist_ptr, r, num_rows, num_chunks, k, LEVELS, NBITS, CP
         )
-    return thr, need_eq, gt_chunk, eq_chunk
+    before = tl.arange(0, CP) < c
+    base_gt = tl.sum(tl.where(before, gt_chunk, 0), axis=0)
+    base_eq = tl.sum(tl.where(before, eq_chunk, 0), axis=0)
+    return thr, need_eq, base_gt, base_eq, eq_chunk
 
 
 @triton.jit
@@ -340,21 +344,18 @@ def _compact_kernel(
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
     r = tl.program_id(1)
-    thr, need_eq, gt_chunk, eq_chunk = row_threshold(
+    thr, need_eq, base_gt, base_eq, eq_chunk = row_threshold(
         hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
     thr = thr.to(tl.uint32, bitcast=True)
-    chunks = tl.arange(0, CP)
     cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
-    base_gt = tl.sum(tl.where(chunks < c, gt_chunk, 0), axis=0)
-    base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     out_row = out_ptr + r.to(tl.int64) * k
     if ATOMIC:
         # Set semantics allow any output order, so slots come from one atomic counter per row. Only the order
         # of equal keys matters (the first `need_eq` by position), and only the chunk that straddles that
         # quota needs ranks: every other chunk takes all or none of its equal keys.
-        eq_here = tl.sum(tl.where(chunks == c, eq_chunk, 0), axis=0)
+        eq_here = tl.sum(tl.where(tl.arange(0, CP) == c, eq_chunk, 0), axis=0)
         take_all = base_eq + eq_here <= need_eq
         boundary = (base_eq < need_eq) & (base_eq + eq_here > need_eq)
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
@@ -497,7 +498,7 @@ def _compact_pairs_kernel(
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
     r = tl.program_id(1)
-    thr, need_eq, gt_chunk, eq_chunk = row_threshold(
+    thr, need_eq, base_gt, base_eq, _ = row_threshold(
         hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
     t = thr + lo  # the threshold as a score
@@ -506,10 +507,7 @@ def _compact_pairs_kernel(
     c_ge = (0x8000 - t).to(tl.uint32)
     c_gt = (c_gt << 16) | c_gt
     c_ge = (c_ge << 16) | c_ge
-    chunks = tl.arange(0, CP)
     cnt_gt = k - need_eq
-    base_gt = tl.sum(tl.where(chunks < c, gt_chunk, 0), axis=0)
-    base_eq = tl.sum(tl.where(chunks < c, eq_chunk, 0), axis=0)
     KEYS: tl.constexpr = 2 * W
     R: tl.constexpr = BLOCK // KEYS
     words_row = (src_ptr + r.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
