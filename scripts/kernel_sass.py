@@ -50,7 +50,7 @@ def _kernels() -> dict:
         "compact": (tk._compact_kernel, compact_sig,
                     {"LEVELS": 2, "NBITS": 5, "CP": 16, "IS_FLOAT": False, "BLOCK": tk.SELECT_TUNE["block"],
                      "ATOMIC": False, "BRANCH": True, "REVERSE": True, "PREFETCH": True, "WINDOW": True,
-                     "INLINE_STORE": False,
+                     "INLINE_STORE": True,
                      "USE_PDL": True},
                     ("N", "n_load", "stride_row", "blocks_per_chunk", "num_chunks"), tk.SELECT_TUNE["num_warps"]),
         "compact_pairs": (tk._compact_pairs_kernel, {n: t for n, t in compact_sig.items() if n != "cnt_ptr"},
