@@ -562,14 +562,14 @@ if "tail" in SECTIONS:
 
 
 def oddn_probe():
-    """Scorer time at N = 2**17, 2**17 + 5 and 2**17 + 64, codes in a tensor of exactly N keys vs views of a buffer
-    with spare capacity (the decode cache), window hint warm; 128K x B8."""
+    """Scorer time at N = 2**17, 2**17 + 5, 2**17 + 8 and 2**17 + 64, codes in a tensor of exactly N keys vs views of
+    a buffer with spare capacity (the decode cache), window hint warm; 128K x B8."""
     n_max = N + 64
     spare = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, n_max, 4), device=dev, dtype=torch.int32, generator=gen)
              for _ in range(3)]  # fmt: skip
     qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
            for _ in range(3)]  # fmt: skip
-    for n in (N, N + 5, N + 64):
+    for n in (N, N + 5, N + 8, N + 64):  # N + 8: one more tile than 2**17 like N + 5, but rows start 8-aligned
         for layout in ("exact", "spare"):
             codes = [c[:, :, :n].contiguous() if layout == "exact" else c[:, :, :n] for c in spare]
             hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
