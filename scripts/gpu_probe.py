@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,l2pf]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -593,18 +593,3 @@ if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run 
     for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
         step_result("step", batch, n, "score (hash + hamming + window histogram)")
 
-
-
-def l2pf_probe():
-    """The query hash asking L2 for the scorer's first codes (`score_prefetch`): off against shares of the L2
-    cache, alternating, whole spotlight step (`run_attention`: L2 flushed before every graph replay)."""
-    saved = ham.TUNE["l2_prefetch"]
-    for share in (0.0, 0.5, 0.0, 0.5, 0.3, 0.8):
-        ham.TUNE["l2_prefetch"] = share
-        for batch, n in ((8, 131072), (1, 32768)):
-            step_result(f"l2 {share}", batch, n, "score (hash + hamming + window histogram)")
-    ham.TUNE["l2_prefetch"] = saved
-
-
-if "l2pf" in SECTIONS:
-    l2pf_probe()

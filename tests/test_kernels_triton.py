@@ -287,56 +287,6 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked, merge
 
 
 @here
-@pytest.mark.parametrize("recent", [False, True])
-@pytest.mark.parametrize("b,hkv,n", [(1, 2, 4101), (2, 3, 1000), (1, 8, 77), (8, 8, 131077)])
-def test_score_prefetch_regions_lie_in_the_scorers_first_reads(impl, recent, b, hkv, n):
-    """The query hash asks L2 for the first keys that each scorer program reads: every region lies inside its
-    chunk (the last, shorter or longer one too) and starts where the program starts; the total fits the share."""
-    mod = impl["_hamming_triton"]
-    codes = torch.zeros(b, hkv, n + 64, 4, dtype=torch.int32, device=DEV)[:, :, :n]
-    l2 = 1 << 20
-    plan = mod.score_prefetch(codes, 1, 4, bits=128, recent_first=recent, l2_bytes=l2)
-    block, num_chunks, bpc = mod._tiling(b * hkv, n, 4, codes.device, True, 5)  # the scorer's chunks
-    chunk_len = bpc * block
-    assert plan.chunks == num_chunks and plan.keys > 0 and plan.keys % 8 == 0
-    assert b * hkv * plan.chunks * plan.keys * 16 <= mod.TUNE["l2_prefetch"] * l2
-    for c in range(plan.chunks):
-        first, last = c * chunk_len, (n if c == plan.chunks - 1 else (c + 1) * chunk_len)  # score positions
-        lo = plan.start + c * plan.step
-        # positions first.. first + keys - 1 hold keys first.. (forward) or n - 1 - first.. down (recent first)
-        want = n - first - plan.keys if recent else first
-        assert lo == want and 0 <= lo and lo + plan.keys <= n and plan.keys <= last - first
-    (regions, heads, sb, sh, chunks, *_rest, lines), key_bytes = plan.kernel_args()
-    assert (regions, heads, sb, sh, lines, key_bytes) == (b * hkv * chunks, hkv, codes.stride(0) * 4,
-                                                          codes.stride(1) * 4, plan.keys * 16 // 128, 16)
-
-
-@here
-@pytest.mark.skipif(not CUDA, reason="the interpreter runs no PTX: the prefetch is a GPU-only instruction")
-@pytest.mark.parametrize("pair", [False, True])
-def test_hash_prefetch_leaves_the_codes_unchanged(impl, pair):
-    """The query hash that asks L2 for the scorer's codes returns the same codes, bit for bit."""
-    mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
-    gen = torch.Generator().manual_seed(3)
-    b, hkv, d = 2, 3, 32
-    codes = _codes((b, hkv, 9000, 4), gen).to(DEV)
-    plan = impl["_hamming_triton"].score_prefetch(codes, 1, 4, bits=128, recent_first=True)
-    w = [t.to(DEV) for t in (torch.randn(hkv, d, 64, generator=gen), torch.randn(hkv, 64, 128, generator=gen),
-                             torch.randn(hkv, 64, generator=gen), torch.randn(hkv, d, 128, generator=gen))]  # fmt: skip
-    x = torch.randn(b, 4 * hkv, 1, d, generator=gen).to(DEV)
-    if pair:
-        keys = torch.randn(b, hkv, 1, d, generator=gen).to(DEV)
-        stats = (torch.zeros(hkv, d, device=DEV), torch.ones(hkv, device=DEV), torch.ones(hkv, device=DEV))
-        run = lambda p: (mod.sign_hash_pair_triton(x, keys, codes[:, :, -1:], *stats, *w, prefetch=p),
-                         codes[:, :, -1].clone())  # fmt: skip
-    else:
-        run = lambda p: (mod.sign_hash_triton(x, *w, prefetch=p),)
-    assert plan is not None
-    for got, want in zip(run(plan), run(None)):
-        assert torch.equal(got, want)
-
-
-@here
 @pytest.mark.parametrize(
     "mlp,resid,cols,early",
     [(True, False, 128, False), (False, False, 128, False), (True, True, 128, False), (False, True, 128, False),

@@ -17,14 +17,12 @@ def _budget_tokens(budget: float, context: int) -> int:
     return max(1, int(budget * context) if budget < 1 else int(budget))
 
 
-def _hash_query(q: torch.Tensor, hash_args: tuple, codes: torch.Tensor, bits: int) -> torch.Tensor:
+def _hash_query(q: torch.Tensor, hash_args: tuple) -> torch.Tensor:
     """Spotlight's query hash as the selector runs it on CUDA (per kv head: sign(silu(q W1 + b1) W2 + q W),
-    float32 weights, one kernel, asking L2 for the scorer's first codes meanwhile), or linear LSH sign(q R)."""
-    from sparsekv.kernels._hamming_triton import score_prefetch
+    float32 weights, one kernel), or linear LSH sign(q R)."""
     from sparsekv.kernels.sign_hash import sign_hash
 
-    prefetch = score_prefetch(codes, q.shape[2], q.shape[1] // codes.shape[1], bits=bits, recent_first=True)
-    return sign_hash(q, *hash_args, prefetch=prefetch)
+    return sign_hash(q, *hash_args)
 
 
 def run_attention(
@@ -82,7 +80,7 @@ def run_attention(
 
     def scored(i, hint=None):
         q, _, _, c, h = data[i]
-        return hamming_score_hist(_hash_query(q, h, c, bits), c, bits=bits, recent_first=True, threshold_hint=hint)
+        return hamming_score_hist(_hash_query(q, h), c, bits=bits, recent_first=True, threshold_hint=hint)
 
     # stage inputs computed once, so each stage can be timed alone
     states = [scored(i) for i in range(layers)]

@@ -26,16 +26,15 @@ from sparsekv.kernels._topk_triton import (
     window_base,
     window_digit,
 )
-from sparsekv.kernels._triton import L2Prefetch, next_pow2, pdl_launch
+from sparsekv.kernels._triton import next_pow2, pdl_launch
 
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none). l2_prefetch: the share of the L2 cache that the query hash fills with the first
-# codes of every chunk (score_prefetch; 0: off).
+# in flight (0 / False: none).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
-        "group_adders": True, "prefetch": True, "l2_prefetch": 0.5}
+        "group_adders": True, "prefetch": True}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -222,44 +221,6 @@ def _hamming_kernel(
         tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
-def _tiling(rows: int, n: int, words: int, device: torch.device, select: bool, nbits: int) -> tuple[int, int, int]:
-    """(keys per tile, chunks per row, tiles per chunk) of the scorer; `select`: it writes histograms too."""
-    block = (TUNE["block"] if select else TUNE["block_plain"]) if n >= 8192 else 128
-    # long codes (e.g. 1024-bit LSH, 32 words) keep the [block, words] tile within ~16 registers per thread
-    block = min(block, max(16, 4096 // next_pow2(words)))
-    num_chunks, bpc = chunking(
-        rows, n, block, device, max_chunks=max_chunks(nbits),
-        progs_per_sm=TUNE["progs_per_sm"] if select else TUNE["progs_per_sm_plain"],
-    )  # fmt: skip
-    return block, num_chunks, bpc
-
-
-def score_prefetch(key_codes: torch.Tensor, queries: int, group: int, *, bits: int, recent_first: bool = False,
-                   forced: bool = False, l2_bytes: int | None = None) -> L2Prefetch | None:  # fmt: skip
-    """What `hamming_score_hist` reads first, for the query hash before it to ask L2 for (`L2Prefetch`): the
-    first keys of every chunk of every row, TUNE["l2_prefetch"] of the L2 cache (`l2_bytes`, default: the
-    device's) in all. `queries`: queries per row; group: query heads per kv head; `forced`: sink or local keys
-    (the arguments of hamming_score_hist). None where there is nothing to gain (no L2 size on CPU, strided
-    codes, the knob off)."""
-    b, hkv, n, w = key_codes.shape
-    contiguous = key_codes.stride(-1) == 1 and key_codes.stride(-2) == w
-    if l2_bytes is None and key_codes.is_cuda:
-        l2_bytes = torch.cuda.get_device_properties(key_codes.device).L2_cache_size
-    if not TUNE["l2_prefetch"] or not l2_bytes or not contiguous or n == 0:
-        return None
-    _, nbits = int_levels(group * bits + (2 if forced else 1))
-    block, chunks, bpc = _tiling(b * hkv * queries, n, w, key_codes.device, True, nbits)
-    chunk_len = bpc * block
-    keys = int(TUNE["l2_prefetch"] * l2_bytes) // (b * hkv * chunks * w * key_codes.element_size())
-    # every region lies inside its chunk, the last (possibly shorter) one included
-    keys = min(keys, chunk_len, n - (chunks - 1) * chunk_len) // 8 * 8
-    if keys == 0:
-        return None
-    if recent_first:  # scores run newest key first: chunk c starts c * chunk_len keys before the row's end
-        return L2Prefetch(key_codes, chunks, n - keys, -chunk_len, keys)
-    return L2Prefetch(key_codes, chunks, 0, chunk_len, keys)
-
-
 def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
     """radix=(levels, nbits): also write the level-0 radix histograms, or with `hint` ([rows] int32, each row's
     previous threshold) the threshold-window histogram instead. Forced (sink/local) keys score bits * g + 1;
@@ -275,8 +236,14 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
     # the selection reads each row of scores in 16-byte vectors: rows padded to a multiple of 64 (n_load)
     n_alloc = triton.cdiv(n, 64) * 64 if radix is not None else n
     out = torch.empty(b, hkv, q, n_alloc, dtype=out_dtype, device=key_codes.device)[..., :n]
+    block = (TUNE["block"] if radix is not None else TUNE["block_plain"]) if n >= 8192 else 128
+    # long codes (e.g. 1024-bit LSH, 32 words) keep the [block, words] tile within ~16 registers per thread
+    block = min(block, max(16, 4096 // next_pow2(w)))
     levels, nbits = radix or (1, 1)
-    block, num_chunks, bpc = _tiling(rows, n, w, key_codes.device, radix is not None, nbits)
+    num_chunks, bpc = chunking(
+        rows, n, block, key_codes.device, max_chunks=max_chunks(nbits),
+        progs_per_sm=TUNE["progs_per_sm"] if radix is not None else TUNE["progs_per_sm_plain"],
+    )
     window = radix is not None and hint is not None
     if radix is not None:
         # level 0 of the radix select (or the window, stored after the levels) is written here; the rest by

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._tl_utils import pdl_enter, prefetch_l2_regions
-from sparsekv.kernels._triton import L2Prefetch, pdl_launch, prefetch_launch
+from sparsekv.kernels._tl_utils import pdl_enter
+from sparsekv.kernels._triton import pdl_launch
 
 # output bits per program for decode queries ("auto": `decode_cols`); early: load the second layer's weights
 # before the first dot (scripts/gpu_probe.py hash / pair sweep both)
@@ -103,22 +103,8 @@ def _sign_hash_kernel(
     USE_PDL: tl.constexpr = False,
     COLS: tl.constexpr = 32,
     EARLY: tl.constexpr = False,
-    pf_ptr=None,
-    pf_regions=0,
-    pf_hkv=1,
-    pf_sb=0,
-    pf_sh=0,
-    pf_chunks=1,
-    pf_start=0,
-    pf_step=0,
-    pf_lines=0,
-    PF_KEY_BYTES: tl.constexpr = 0,
-    PF_THREADS: tl.constexpr = 128,
 ):
     pdl_enter(USE_PDL)
-    if PF_KEY_BYTES > 0:  # the scorer's first code tiles into L2 while this kernel's dot chain runs
-        prefetch_l2_regions(pf_ptr.to(tl.pointer_type(tl.int8)), pf_regions, pf_hkv, pf_sb, pf_sh, pf_chunks,
-                            pf_start, pf_step, pf_lines, PF_KEY_BYTES, PF_THREADS)  # fmt: skip
     t = tl.program_id(0)
     r = tl.program_id(1)
     cb = tl.program_id(2)  # block of COLS output bits (a multiple of 32): short chains for decode queries
@@ -184,24 +170,10 @@ def _sign_hash_pair_kernel(
     COLS: tl.constexpr,
     EARLY: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    pf_ptr=None,
-    pf_regions=0,
-    pf_hkv=1,
-    pf_sb=0,
-    pf_sh=0,
-    pf_chunks=1,
-    pf_start=0,
-    pf_step=0,
-    pf_lines=0,
-    PF_KEY_BYTES: tl.constexpr = 0,
-    PF_THREADS: tl.constexpr = 128,
 ):
     """Queries and new keys of one kv head in one tile: rows [0, MQ) are the group's queries (x / query scale),
     rows [MQ, MQ + MK) the new keys ((x - key mean) / key scale); one MLP pass, two outputs."""
     pdl_enter(USE_PDL)
-    if PF_KEY_BYTES > 0:  # the scorer's first code tiles into L2 while this kernel's dot chain runs
-        prefetch_l2_regions(pf_ptr.to(tl.pointer_type(tl.int8)), pf_regions, pf_hkv, pf_sb, pf_sh, pf_chunks,
-                            pf_start, pf_step, pf_lines, PF_KEY_BYTES, PF_THREADS)  # fmt: skip
     r = tl.program_id(0)
     cb = tl.program_id(1)
     kvh = r % HKV
@@ -229,10 +201,9 @@ def _sign_hash_pair_kernel(
              mask=is_k[:, None])  # fmt: skip
 
 
-def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None, prefetch: L2Prefetch | None = None):
+def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     """x [B, H, Q, d] -> int32 codes [B, H, Q, bits/32] of sign(silu(x W1 + b1) W2 + x Wr + b2) per kv head
-    (sign(x W1 + b2) without W2). Weights [Hkv, ...] in one dtype; x is cast to it. `prefetch`: regions that
-    the kernel asks L2 for meanwhile (`L2Prefetch`)."""
+    (sign(x W1 + b2) without W2). Weights [Hkv, ...] in one dtype; x is cast to it."""
     b, heads, q, d = x.shape
     hkv, _, hid = w1.shape
     bits = (w2 if w2 is not None else w1).shape[-1]
@@ -251,7 +222,6 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None, prefetch: L2Pref
     # program), so more programs with shorter dot chains and smaller second-layer weight loads
     cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, _sms(x.device)) if w2 is not None and m < 128 else bits
     cols = cols if bits % cols == 0 else bits
-    warps = 8 if cols > 256 or w1.dtype == torch.float32 else 4
     _sign_hash_kernel[(triton.cdiv(m, bm), b * hkv, bits // cols)](
         x,
         w1,
@@ -280,15 +250,13 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None, prefetch: L2Pref
         BM=bm,
         COLS=cols,
         EARLY=TUNE["early"],
-        num_warps=warps,
+        num_warps=8 if cols > 256 or w1.dtype == torch.float32 else 4,
         **pdl_launch(x.device),
-        **prefetch_launch(prefetch, warps),
     )
     return out
 
 
-def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2=None, b1=None, wr=None,
-                          prefetch: L2Prefetch | None = None):
+def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2=None, b1=None, wr=None):
     """One launch for a decode step's queries and new keys (see `sign_hash.sign_hash_pair`): both sets of rows of
     a kv head share its program, so the keys' hash adds no launch and no latency."""
     b, hq, q, d = query.shape
@@ -303,7 +271,6 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
     out_q = torch.empty(b, hq, q, bits // 32, dtype=torch.int32, device=query.device)
     cols = decode_cols(b * hkv, bits, _sms(query.device)) if w2 is not None else bits
     cols = cols if bits % cols == 0 else bits
-    warps = 8 if w1.dtype == torch.float32 else 4
     _sign_hash_pair_kernel[(b * hkv, bits // cols)](
         query,
         keys,
@@ -340,8 +307,7 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         BM=max(16, triton.next_power_of_2(mq + t)),
         COLS=cols,
         EARLY=TUNE["early"],
-        num_warps=warps,
+        num_warps=8 if w1.dtype == torch.float32 else 4,
         **pdl_launch(query.device),
-        **prefetch_launch(prefetch, warps),
     )
     return out_q

@@ -59,29 +59,3 @@ def scatter_store_i64(ptr, value, mask, INLINE: tl.constexpr):
         )
     else:
         tl.store(ptr, value, mask=mask)
-
-
-@triton.jit
-def prefetch_l2_regions(ptr, num_regions, hkv, stride_b, stride_h, chunks, start, step, lines,
-                        KEY_BYTES: tl.constexpr, THREADS: tl.constexpr):  # fmt: skip
-    """Asks L2 for `lines` 128-byte lines of every region (row, chunk): row = b * hkv + h at byte offset
-    b * stride_b + h * stride_h of `ptr`, chunk c from key start + c * step on (`L2Prefetch`). Every program of
-    the grid takes its share; nothing waits for the lines (GPU only: the interpreter runs no PTX)."""
-    pid = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-    nprog = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    total = num_regions * lines
-    for first in range(pid * THREADS, total, nprog * THREADS):
-        j = first + tl.arange(0, THREADS)
-        region = j // lines
-        row = region // chunks
-        key = start + (region % chunks) * step
-        off = (row // hkv).to(tl.int64) * stride_b + (row % hkv).to(tl.int64) * stride_h
-        off += key.to(tl.int64) * KEY_BYTES + (j % lines).to(tl.int64) * 128
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
-            "=r,l,r",
-            [ptr + off, (j < total).to(tl.int32)],
-            dtype=tl.int32,
-            is_pure=False,
-            pack=1,
-        )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -64,37 +63,3 @@ def kernel(module: str, name: str):
             raise
         return None
     return getattr(mod, name)
-
-
-@dataclass(frozen=True)
-class L2Prefetch:
-    """Regions of a [B, H, N, W] tensor that a kernel asks L2 for while it computes, for the next kernel to read
-    from L2 instead of HBM: for every row (b, h) and chunk c < chunks, `keys` keys from key start + c * step on
-    (step < 0: chunks run back from the row's end)."""
-
-    tensor: torch.Tensor
-    chunks: int
-    start: int
-    step: int
-    keys: int
-
-    def kernel_args(self) -> tuple:
-        """Arguments of `_tl_utils.prefetch_l2_regions` after the pointer, then KEY_BYTES."""
-        t = self.tensor
-        key_bytes = t.shape[-1] * t.element_size()
-        lines = -(-self.keys * key_bytes // 128)
-        size = t.element_size()
-        rows = t.shape[0] * t.shape[1]
-        return (rows * self.chunks, t.shape[1], t.stride(0) * size, t.stride(1) * size, self.chunks, self.start,
-                self.step, lines), key_bytes
-
-
-def prefetch_launch(prefetch: L2Prefetch | None, num_warps: int) -> dict:
-    """Launch arguments of a kernel that calls `prefetch_l2_regions` under PF_KEY_BYTES > 0 (none: no prefetch;
-    never in the interpreter, which runs no PTX)."""
-    if prefetch is None or not prefetch.tensor.is_cuda or interpreting():
-        return {}
-    (regions, hkv, sb, sh, chunks, start, step, lines), key_bytes = prefetch.kernel_args()
-    return {"pf_ptr": prefetch.tensor, "pf_regions": regions, "pf_hkv": hkv, "pf_sb": sb, "pf_sh": sh,
-            "pf_chunks": chunks, "pf_start": start, "pf_step": step, "pf_lines": lines,
-            "PF_KEY_BYTES": key_bytes, "PF_THREADS": 32 * num_warps}  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparsekv.kernels._triton import L2Prefetch
 from sparsekv.kernels.bits import pack_sign_bits
 
 
@@ -53,16 +52,14 @@ def sign_hash(
     b1: torch.Tensor | None = None,
     wr: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
-    prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor:
-    """Packed sign codes of a linear or MLP hash (see the reference for shapes); one kernel on CUDA, which
-    meanwhile asks L2 for `prefetch`'s regions (the next kernel's first reads; no effect on the result)."""
+    """Packed sign codes of a linear or MLP hash (see the reference for shapes); one kernel on CUDA."""
     from sparsekv.kernels._triton import kernel, use_triton
 
     if use_triton(x, w1) and _fused_shapes(x, w1, w2):
         impl = kernel("_sign_hash_triton", "sign_hash_triton")
         if impl is not None:
-            return impl(x, w1, w2, b1, wr, b2, prefetch)
+            return impl(x, w1, w2, b1, wr, b2)
     return sign_hash_reference(x, w1, w2, b1, wr, b2)
 
 
@@ -106,10 +103,8 @@ def sign_hash_pair(
     w2: torch.Tensor | None = None,
     b1: torch.Tensor | None = None,
     wr: torch.Tensor | None = None,
-    prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor:
-    """A decode step's query codes and its new keys' codes in one kernel on CUDA (see the reference);
-    `prefetch` as in `sign_hash`."""
+    """A decode step's query codes and its new keys' codes in one kernel on CUDA (see the reference)."""
     from sparsekv.kernels._triton import kernel, use_triton
 
     rows = query.shape[1] // keys.shape[1] * query.shape[2] + keys.shape[2]
@@ -117,5 +112,5 @@ def sign_hash_pair(
     if use_triton(query, keys, w1) and fits and _fused_shapes(query, w1, w2) and keys.dtype == query.dtype:
         impl = kernel("_sign_hash_triton", "sign_hash_pair_triton")
         if impl is not None:
-            return impl(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, prefetch)
+            return impl(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
     return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)

@@ -22,7 +22,6 @@ from typing import ClassVar
 import torch
 
 from sparsekv.config import SparseConfig
-from sparsekv.kernels._triton import L2Prefetch
 from sparsekv.kernels.sparse_attention import selection_mask, sparse_attention
 
 
@@ -284,7 +283,7 @@ class RowBuffer:
 
 
 def fused_hamming_selection(
-    query_codes: Callable[[L2Prefetch | None], torch.Tensor],
+    query_codes: Callable[[], torch.Tensor],
     key_codes: torch.Tensor,
     bits: int,
     step: DecodeStep,
@@ -293,21 +292,14 @@ def fused_hamming_selection(
     """Device fast path of a Hamming top-k on a uniform step with group-summed GQA: scoring, sink/local forcing,
     ties to the more recent key and the sort-free select in the fused kernels (no score tensor round trips, no
     host sync). The chosen set is the CPU rule's. None where it does not apply (the caller runs its own rule);
-    `query_codes` is called only when it does, with the scorer's first reads for a kernel hash to ask L2 for
-    (or None). `hints`: the selector's thresholds of its previous step."""
+    `query_codes` is called only when it does. `hints`: the selector's thresholds of its previous step."""
     from sparsekv.kernels._triton import use_triton
 
     if key_codes.device.type == "cpu" or not step.uniform or not use_triton(key_codes):
         return None
     if step.gqa != "group" and step.layer.group_size > 1:
         return None
-    from sparsekv.kernels._hamming_triton import score_prefetch
-
-    _, heads, queries, _ = step.query.shape
-    forced = step.hints.sink > 0 or step.hints.local > 0
-    prefetch = score_prefetch(key_codes, queries, heads // key_codes.shape[1], bits=bits, recent_first=True,
-                              forced=forced)  # fmt: skip
-    return _fused_hamming_core(query_codes(prefetch), key_codes, bits, step, hints)
+    return _fused_hamming_core(query_codes(), key_codes, bits, step, hints)
 
 
 def _fused_hamming_core(

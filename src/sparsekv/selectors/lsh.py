@@ -175,7 +175,7 @@ class LSHSelector(TokenSelector):
 
     def select(self, step: DecodeStep) -> Selection:
         self._sync(step)
-        query_codes = lambda prefetch=None: hash_codes(step.query, self.projection)  # a matmul: no prefetch
+        query_codes = lambda: hash_codes(step.query, self.projection)
         fast = fused_hamming_selection(query_codes, self.key_codes.view(), self.bits, step, self.threshold_hints)
         if fast is not None:
             return fast

@@ -42,7 +42,6 @@ import torch
 from torch import nn
 
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.kernels._triton import L2Prefetch
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
 from sparsekv.selectors.base import (
@@ -358,14 +357,12 @@ class SpotlightSelector(TokenSelector):
         self._pending: torch.Tensor | None = None
 
     # state ---------------------------------------------------------------------------------------------------
-    def _hash(self, x: torch.Tensor, role: str, prefetch: L2Prefetch | None = None) -> torch.Tensor:
-        """x [B, H, T, d] (H = kv heads, or query heads for role 'q') -> packed codes [B, H, T, W]; `prefetch`:
-        see `sign_hash`."""
+    def _hash(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """x [B, H, T, d] (H = kv heads, or query heads for role 'q') -> packed codes [B, H, T, W]."""
         if x.is_cuda and x.dtype != torch.float64 and (folded := self._folded_weights(role, x.device)):
             from sparsekv.kernels.sign_hash import sign_hash
 
-            # one kernel: normalise, MLP + linear branch, sign, pack
-            return sign_hash(x, *folded, prefetch=prefetch)
+            return sign_hash(x, *folded)  # one kernel: normalise, MLP + linear branch, sign, pack
         fn = self.hash_fn
         dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         if fn.key_mean.device != x.device or fn.key_mean.dtype != dtype:
@@ -473,15 +470,15 @@ class SpotlightSelector(TokenSelector):
             self._codes[..., self._length - t : self._length, :] = self._hash(self._pending, "k")
             self._pending = None
 
-    def _query_codes(self, query: torch.Tensor, prefetch: L2Prefetch | None = None) -> torch.Tensor:
+    def _query_codes(self, query: torch.Tensor) -> torch.Tensor:
         """The step's query codes; deferred new keys are hashed in the same launch, into their slots."""
         if self._pending is None:
-            return self._hash(query, "q", prefetch)
+            return self._hash(query, "q")
         from sparsekv.kernels.sign_hash import sign_hash_pair
 
         t = self._pending.shape[-2]
         slots = self._codes[..., self._length - t : self._length, :]
-        codes = sign_hash_pair(query, self._pending, slots, *self._pair_weights(query.device), prefetch=prefetch)
+        codes = sign_hash_pair(query, self._pending, slots, *self._pair_weights(query.device))
         self._pending = None
         return codes
 
@@ -502,8 +499,7 @@ class SpotlightSelector(TokenSelector):
     def select(self, step: DecodeStep) -> Selection:
         # deferred new keys: their codes are written by `_query_codes`, which runs before the scorer
         keys = self._codes[..., : step.keys.shape[-2], :]
-        # hashed only when the fast path runs
-        query_codes = lambda prefetch: self._query_codes(step.query, prefetch)
+        query_codes = lambda: self._query_codes(step.query)  # hashed only when the fast path runs
         fast = fused_hamming_selection(query_codes, keys, self.code_bits, step, self.threshold_hints)
         if fast is not None:
             return fast
