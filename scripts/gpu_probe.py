@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,evict]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -593,20 +593,3 @@ if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run 
     for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
         step_result("step", batch, n, "score (hash + hamming + window histogram)")
 
-
-
-def evict_probe():
-    """L2 eviction hints of the scorer (codes evict_first, scores evict_last: the selection reads the scores
-    from L2), each combination alternating, whole spotlight step (`run_attention`), selection stage shown."""
-    saved = dict(ham.TUNE)
-    for _ in range(2):
-        for code, score in (("", ""), ("evict_first", "evict_last"), ("evict_first", ""), ("", "evict_last")):
-            ham.TUNE.update(code_evict=code, score_evict=score)
-            for batch, n in ((8, 131072), (8, 32768)):
-                step_result(f"{code[6:] or '-'}/{score[6:] or '-'}", batch, n,
-                            "select (threshold in the window + compaction)")  # fmt: skip
-    ham.TUNE.update(saved)
-
-
-if "evict" in SECTIONS:
-    evict_probe()

@@ -32,10 +32,9 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none). code_evict / score_evict: L2 eviction hints of the scorer's code loads and score
-# stores when a selection follows ("": none): read-once codes make way for the scores the selection reads next.
+# in flight (0 / False: none).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
-        "group_adders": True, "prefetch": True, "code_evict": "evict_first", "score_evict": "evict_last"}
+        "group_adders": True, "prefetch": True}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -76,8 +75,7 @@ def group_terms(kc, u, v, m, HEADS: tl.constexpr, USE_POPC: tl.constexpr):
 
 
 @triton.jit
-def _load_codes(k_base, offs, nmask, N, w, wmask, W: tl.constexpr, skn, REVERSE: tl.constexpr, VEC: tl.constexpr,
-                EVICT: tl.constexpr = ""):
+def _load_codes(k_base, offs, nmask, N, w, wmask, W: tl.constexpr, skn, REVERSE: tl.constexpr, VEC: tl.constexpr):
     """[BLOCK, WP] code words of the keys at score positions `offs` (position N - 1 - offs with REVERSE)."""
     tok = (N - 1 - offs) if REVERSE else offs
     if VEC:
@@ -85,7 +83,7 @@ def _load_codes(k_base, offs, nmask, N, w, wmask, W: tl.constexpr, skn, REVERSE:
         kptrs = k_base + tok[:, None].to(tl.int64) * W + w[None, :]
     else:
         kptrs = k_base + tok[:, None].to(tl.int64) * skn + w[None, :]
-    return tl.load(kptrs, mask=nmask[:, None] & wmask[None, :], other=0, eviction_policy=EVICT)
+    return tl.load(kptrs, mask=nmask[:, None] & wmask[None, :], other=0)
 
 
 @triton.jit
@@ -133,8 +131,6 @@ def _hamming_kernel(
     HEADS0: tl.constexpr = 0,
     HEADS1: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
-    CODE_EVICT: tl.constexpr = "",
-    SCORE_EVICT: tl.constexpr = "",
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -165,11 +161,10 @@ def _hamming_kernel(
     # the last chunk runs to the end of the row (_topk_triton.chunking)
     chunk_end = tl.where(c == num_chunks - 1, N, (c + 1) * blocks_per_chunk * BLOCK)
     if PREFETCH:
-        nxt = _load_codes(k_base, first, first < N, N, w, wmask, W, skn, REVERSE, VEC, CODE_EVICT)
+        nxt = _load_codes(k_base, first, first < N, N, w, wmask, W, skn, REVERSE, VEC)
         if PREFETCH > 1:
             ahead = first + BLOCK
-            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn, REVERSE, VEC,
-                               CODE_EVICT)  # fmt: skip
+            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn, REVERSE, VEC)
     for i in range(tl.cdiv(chunk_end - c * blocks_per_chunk * BLOCK, BLOCK)):
         offs = first + i * BLOCK
         nmask = offs < N
@@ -180,14 +175,14 @@ def _hamming_kernel(
             kc = nxt
             ahead = offs + PREFETCH * BLOCK
             ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn,
-                                      REVERSE, VEC, CODE_EVICT)  # fmt: skip
+                                      REVERSE, VEC)  # fmt: skip
             if PREFETCH > 1:
                 nxt = nxt2
                 nxt2 = ahead_codes
             else:
                 nxt = ahead_codes
         else:
-            kc = _load_codes(k_base, offs, nmask, N, w, wmask, W, skn, REVERSE, VEC, CODE_EVICT)
+            kc = _load_codes(k_base, offs, nmask, N, w, wmask, W, skn, REVERSE, VEC)
         if HEADS0 > 0:
             if not FULL:
                 kc = kc & word_mask[None, :]
@@ -206,7 +201,7 @@ def _hamming_kernel(
             score = G * bits - tl.sum(diff, axis=1)
         # sink / local keys always make the cut: they score above every real key
         score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
-        tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask, eviction_policy=SCORE_EVICT)
+        tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
         if HIST:
             if WINDOW:
                 shift = 0
@@ -295,8 +290,6 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
         PREFETCH=int(TUNE["prefetch"]),
-        CODE_EVICT=TUNE["code_evict"] if radix is not None else "",
-        SCORE_EVICT=TUNE["score_evict"] if radix is not None else "",
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
     )
