@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -593,3 +593,19 @@ if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run 
     for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
         step_result("step", batch, n, "score (hash + hamming + window histogram)")
 
+
+
+def depth_probe(depths=(1, 2, 3)):
+    """Tiles of scores in flight in the pairs compaction (SELECT_TUNE["depth"]; the first ones requested before
+    the threshold is derived), alternating, whole spotlight step (`run_attention`), selection stage shown. Run
+    with an older tree first on PYTHONPATH for a baseline (the knob is then ignored)."""
+    for _ in range(2):
+        for depth in depths:
+            tk.SELECT_TUNE["depth"] = depth
+            for batch, n in ((8, 131072), (1, 32768), (8, 32768)):
+                step_result(f"depth {depth}", batch, n, "select (threshold in the window + compaction)")
+    tk.SELECT_TUNE["depth"] = 1
+
+
+if "depth" in SECTIONS:
+    depth_probe()
