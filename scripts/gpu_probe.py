@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth,ptile]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -609,3 +609,19 @@ def depth_probe(depths=(1, 2, 3)):
 
 if "depth" in SECTIONS:
     depth_probe()
+
+
+def ptile_probe(variants=((512, 2), (1024, 2), (2048, 2), (2048, 4), (4096, 4))):
+    """Keys per tile and warps of the pairs compaction (one block scan per tile), alternating, whole spotlight step
+    (`run_attention`), selection stage shown."""
+    saved = dict(tk.SELECT_TUNE)
+    for _ in range(2):
+        for block, warps in variants:
+            tk.SELECT_TUNE.update(pairs_block=block, num_warps=warps)
+            for batch, n in ((8, 131072), (1, 32768), (8, 32768)):
+                step_result(f"{block}/{warps}", batch, n, "select (threshold in the window + compaction)")
+    tk.SELECT_TUNE.update(saved)
+
+
+if "ptile" in SECTIONS:
+    ptile_probe()

@@ -444,16 +444,18 @@ def test_lut_triton(impl, mode):
 
 @here
 @pytest.mark.parametrize("inline", [True, False] if CUDA else [False])
-@pytest.mark.parametrize("n,k,hi,depth", [(4096, 100, 512, 1), (2600, 300, 9, 2), (8, 3, 1, 3), (1048, 1, 0, 1),
-                                         (5000, 70, 512, 3), (1504, 200, 40, 2)])  # fmt: skip
-def test_compaction_pairs_mode(impl, monkeypatch, inline, n, k, hi, depth):
+@pytest.mark.parametrize("n,k,hi,depth,block", [(4096, 100, 512, 1, 512), (2600, 300, 9, 2, 512), (8, 3, 1, 3, 512),
+                                               (1048, 1, 0, 1, 512), (5000, 70, 512, 3, 2048),
+                                               (1504, 200, 40, 2, 1024), (9000, 150, 300, 1, 4096)])  # fmt: skip
+def test_compaction_pairs_mode(impl, monkeypatch, inline, n, k, hi, depth, block):
     """int16 scores take the bit-mask compaction: the same indices in the same order as the ordered scan (keys
     above the threshold by position, then the first equal ones), many ties, the 0 / 2**15 - 1 edges, rows that
     end mid-tile and a chunk split; the GPU runs its PTX store loop and the per-key stores. depth: tiles of
-    scores in flight."""
+    scores in flight; block: keys per tile."""
     tk = impl["_topk_triton"]
     monkeypatch.setitem(tk.PAIRS_INLINE, "on", inline)
     monkeypatch.setitem(tk.SELECT_TUNE, "depth", depth)
+    monkeypatch.setitem(tk.SELECT_TUNE, "pairs_block", block)
     gen = torch.Generator().manual_seed(n + k)
     scores = torch.randint(0, hi + 1, (3, n), generator=gen, dtype=torch.int16)
     scores[0, : n // 3] = hi  # a run of equal top scores

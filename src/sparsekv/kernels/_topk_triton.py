@@ -114,8 +114,8 @@ COMPACT_MODE = {"mode": "pairs"}
 # interpreter; the GPU tests run both)
 PAIRS_INLINE = {"on": True}
 # tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them); depth: tiles of scores
-# in flight in the pairs compaction (1-3)
-SELECT_TUNE = {"block": 512, "num_warps": 2, "depth": 1}
+# in flight in the pairs compaction (1-3); pairs_block: its tile (one block scan per tile)
+SELECT_TUNE = {"block": 512, "num_warps": 2, "depth": 1, "pairs_block": 512}
 
 
 @triton.jit
@@ -671,10 +671,11 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     win = {"WINDOW": window is not None, "base_ptr": window[0] if window else None, "hint_ptr": hint,
            "top": window[1] if window else 0}  # fmt: skip
     if COMPACT_MODE["mode"] == "pairs" and pairs_ok(src, lo, is_float, n_load, chunk_len):
+        pairs_block = max(min(SELECT_TUNE["pairs_block"], triton.next_power_of_2(chunk_len)), 2 * SCORE_PAIRS)
         _compact_pairs_kernel[(num_chunks, rows)](
             src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
-            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
+            BLOCK=pairs_block, W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
             USE_POPC=src.is_cuda, DEPTH=SELECT_TUNE["depth"], num_warps=SELECT_TUNE["num_warps"], **win,
             **pdl_launch(src.device),
         )  # fmt: skip
