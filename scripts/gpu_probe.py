@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth,ptile]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth,ptile,regcap]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -625,3 +625,20 @@ def ptile_probe(variants=((512, 2), (1024, 2), (2048, 2), (2048, 4), (4096, 4)))
 
 if "ptile" in SECTIONS:
     ptile_probe()
+
+
+def regcap_probe():
+    """The selecting scorer with its registers capped for 8 programs per SM (`_register_cap`) against no cap (7 fit
+    with triton 3.6's 72 registers: a partial second wave) and against a grid sized for 7; whole spotlight step
+    (`run_attention`), alternating, twice."""
+    saved = dict(ham.TUNE)
+    for _ in range(2):
+        for cap, progs in ((True, 8), (False, 8), (False, 7)):
+            ham.TUNE.update(cap_registers=cap, progs_per_sm=progs)
+            for batch, n in ((8, 131072), (8, 131077), (1, 32768), (8, 32768)):
+                step_result(f"{'cap' if cap else 'nocap'}{progs}", batch, n, "score (hash + hamming + window histogram)")
+    ham.TUNE.update(saved)
+
+
+if "regcap" in SECTIONS:
+    regcap_probe()

@@ -73,13 +73,14 @@ def _kernels() -> dict:
     }  # fmt: skip
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_stages: int):
+def compile_sm90(fn, signature: dict, constexprs: dict, div16, num_warps: int, num_stages: int, maxnreg=None):
     sig = signature | {name: "constexpr" for name in constexprs}
     names = list(fn.arg_names)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in sig if sig[n].startswith("*") or n in div16}
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})  # fmt: skip
+                          options={"num_warps": num_warps, "num_stages": num_stages,
+                                   **({"maxnreg": maxnreg} if maxnreg else {})})  # fmt: skip
 
 
 def _tool(name: str) -> str:
@@ -100,7 +101,9 @@ def summarise(compiled) -> tuple[str, str]:
     loads = collections.Counter(op for op in ops if op.startswith("LDG"))
     regs = re.search(r"REG:(\d+)", usage)
     shared = re.search(r"SHARED:(\d+)", usage)
-    line = (f"registers {regs.group(1) if regs else '?'}, shared {shared.group(1) if shared else '?'} B, "
+    local = re.search(r"LOCAL:(\d+)", usage)
+    line = (f"registers {regs.group(1) if regs else '?'}, local (spills) {local.group(1) if local else '?'} B, "
+            f"shared {shared.group(1) if shared else '?'} B, "
             f"{len(ops)} instructions, POPC {sum(op.startswith('POPC') for op in ops)}, "
             f"BAR.SYNC {sum(op.startswith('BAR.SYNC') for op in ops)}, global loads {dict(loads)}")  # fmt: skip
     return line, sass
@@ -115,6 +118,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="override a constexpr")
     ap.add_argument("--odd-n", action="store_true", help="N (and n_load) not known to be a multiple of 16")
     ap.add_argument("--dump", help="write the full SASS here")
+    ap.add_argument("--maxnreg", type=int, help="register cap per thread (the launch option)")
     args = ap.parse_args()
     fn, sig, constexprs, div16, warps = kernels[args.kernel]
     constexprs = dict(constexprs)
@@ -125,7 +129,7 @@ def main() -> None:
         constexprs[name] = {"True": True, "False": False}.get(value, int(value) if value.lstrip("-").isdigit() else value)
     if args.odd_n:
         div16 = tuple(n for n in div16 if n not in ("N", "n_load"))
-    line, sass = summarise(compile_sm90(fn, sig, constexprs, div16, args.warps or warps, args.stages))
+    line, sass = summarise(compile_sm90(fn, sig, constexprs, div16, args.warps or warps, args.stages, args.maxnreg))
     print(f"{args.kernel} (sm_90, {args.warps or warps} warps): {line}")
     if args.dump:
         with open(args.dump, "w") as f:

@@ -32,9 +32,9 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none).
+# in flight (0 / False: none). cap_registers: see _register_cap.
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
-        "group_adders": True, "prefetch": True}
+        "group_adders": True, "prefetch": True, "cap_registers": True}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -221,6 +221,16 @@ def _hamming_kernel(
         tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
+def _register_cap() -> dict:
+    """Launch option capping the selecting scorer's registers so that TUNE["progs_per_sm"] programs fit an SM's
+    65536 registers, as `chunking` assumes: otherwise the grid spills into a second wave (triton 3.6 gave it 72
+    registers, 7 programs per SM for a grid sized for 8)."""
+    if not TUNE["cap_registers"]:
+        return {}
+    per_thread = 65536 // (TUNE["progs_per_sm"] * 32 * TUNE["num_warps"])
+    return {"maxnreg": per_thread // 8 * 8}
+
+
 def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
     """radix=(levels, nbits): also write the level-0 radix histograms, or with `hint` ([rows] int32, each row's
     previous threshold) the threshold-window histogram instead. Forced (sink/local) keys score bits * g + 1;
@@ -292,6 +302,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         PREFETCH=int(TUNE["prefetch"]),
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
+        **(_register_cap() if radix is not None and key_codes.is_cuda else {}),
     )
     return out, hist, num_chunks, bpc, block, base
 
