@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth,ptile,regcap]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth,ptile,regcap,rotate]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -642,3 +642,20 @@ def regcap_probe():
 
 if "regcap" in SECTIONS:
     regcap_probe()
+
+
+def rotate_probe():
+    """Scorer programs starting at another tile of their chunk (TUNE["rotate"]), with and without the register
+    cap (`regcap`): whole spotlight step (`run_attention`), alternating, twice."""
+    saved = dict(ham.TUNE)
+    for _ in range(2):
+        for rotate, cap in ((0, False), (1, False), (2, False), (1, True), (2, True)):
+            ham.TUNE.update(rotate=rotate, cap_registers=cap)
+            for batch, n in ((8, 131072), (8, 131077), (1, 32768), (8, 32768)):
+                step_result(f"rot{rotate}{' cap' if cap else ''}", batch, n,
+                            "score (hash + hamming + window histogram)")  # fmt: skip
+    ham.TUNE.update(saved)
+
+
+if "rotate" in SECTIONS:
+    rotate_probe()

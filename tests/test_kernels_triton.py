@@ -124,11 +124,14 @@ def test_hamming_topk_triton(impl, k):
 
 
 @here
-def test_hamming_topk_last_chunk_runs_to_row_end(impl):
+@pytest.mark.parametrize("rotate", [0, 1, 2])
+def test_hamming_topk_last_chunk_runs_to_row_end(impl, monkeypatch, rotate):
     """A row a tile longer than its equal chunks (decode lengths 2**17 + t): the last chunk takes the extra tile
-    in the scorer, the window histogram and both compactions; the selected set matches the reference."""
+    in the scorer, the window histogram and both compactions; the selected set matches the reference. rotate:
+    the scorer's programs start at other tiles of their chunks (the last, partial one included)."""
     from sparsekv.kernels.hamming import hamming_topk_reference
 
+    monkeypatch.setitem(impl["_hamming_triton"].TUNE, "rotate", rotate)
     tk = impl["_topk_triton"]
     n = 4101  # 33 scorer tiles of 128 over 8 rows: 4 chunks of 8 tiles, the last with 9 (CPU counts 4 SMs)
     gen = torch.Generator().manual_seed(5)

@@ -32,9 +32,11 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none). cap_registers: see _register_cap.
+# in flight (0 / False: none). cap_registers: see _register_cap. rotate: where each program starts in its chunk
+# (0: the first tile; 1, 2: a tile that depends on the row / row and chunk).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
-        "group_adders": True, "prefetch": True, "cap_registers": True}
+        "group_adders": True, "prefetch": True, "cap_registers": False,
+        "rotate": 0}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -131,6 +133,7 @@ def _hamming_kernel(
     HEADS0: tl.constexpr = 0,
     HEADS1: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
+    ROTATE: tl.constexpr = 0,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -160,21 +163,27 @@ def _hamming_kernel(
     first = c * blocks_per_chunk * BLOCK + tl.arange(0, BLOCK)
     # the last chunk runs to the end of the row (_topk_triton.chunking)
     chunk_end = tl.where(c == num_chunks - 1, N, (c + 1) * blocks_per_chunk * BLOCK)
+    tiles = tl.cdiv(chunk_end - c * blocks_per_chunk * BLOCK, BLOCK)
+    # ROTATE: each program starts at another tile of its chunk and wraps around (the scores and histograms do
+    # not depend on the order), so that programs do not stream addresses 2**k bytes apart in lockstep
+    rot = ((r * 7 + c * 3) % tiles if ROTATE == 2 else r % tiles) if ROTATE else 0
     if PREFETCH:
-        nxt = _load_codes(k_base, first, first < N, N, w, wmask, W, skn, REVERSE, VEC)
+        start = first + rot * BLOCK
+        nxt = _load_codes(k_base, start, start < N, N, w, wmask, W, skn, REVERSE, VEC)
         if PREFETCH > 1:
-            ahead = first + BLOCK
-            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn, REVERSE, VEC)
-    for i in range(tl.cdiv(chunk_end - c * blocks_per_chunk * BLOCK, BLOCK)):
-        offs = first + i * BLOCK
+            ahead = first + ((1 + rot) % tiles) * BLOCK
+            nxt2 = _load_codes(k_base, ahead, (ahead < N) & (tl.zeros_like(first) + 1 < tiles), N, w, wmask, W, skn,
+                               REVERSE, VEC)  # fmt: skip
+    for i in range(tiles):
+        offs = first + ((i + rot) % tiles if ROTATE else i) * BLOCK
         nmask = offs < N
         # REVERSE: scores are stored newest key first, so that the selection's ties-to-the-lowest-position
         # rule keeps the most recent keys
         tok = (N - 1 - offs) if REVERSE else offs
         if PREFETCH:  # the next PREFETCH tiles' codes are in flight while this one is scored
             kc = nxt
-            ahead = offs + PREFETCH * BLOCK
-            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (ahead < chunk_end), N, w, wmask, W, skn,
+            ahead = first + ((i + PREFETCH + rot) % tiles if ROTATE else i + PREFETCH) * BLOCK
+            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (tl.zeros_like(first) + i + PREFETCH < tiles), N, w, wmask, W, skn,
                                       REVERSE, VEC)  # fmt: skip
             if PREFETCH > 1:
                 nxt = nxt2
@@ -300,6 +309,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
         PREFETCH=int(TUNE["prefetch"]),
+        ROTATE=TUNE["rotate"],
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
         **(_register_cap() if radix is not None and key_codes.is_cuda else {}),
