@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,depth,ptile,regcap,rotate]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -594,66 +594,16 @@ if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run 
         step_result("step", batch, n, "score (hash + hamming + window histogram)")
 
 
-
-def depth_probe(depths=(1, 2, 3)):
-    """Tiles of scores in flight in the pairs compaction (SELECT_TUNE["depth"]; the first ones requested before
-    the threshold is derived), alternating, whole spotlight step (`run_attention`), selection stage shown. Run
-    with an older tree first on PYTHONPATH for a baseline (the knob is then ignored)."""
-    for _ in range(2):
-        for depth in depths:
-            tk.SELECT_TUNE["depth"] = depth
-            for batch, n in ((8, 131072), (1, 32768), (8, 32768)):
-                step_result(f"depth {depth}", batch, n, "select (threshold in the window + compaction)")
-    tk.SELECT_TUNE["depth"] = 1
-
-
-if "depth" in SECTIONS:
-    depth_probe()
-
-
-def ptile_probe(variants=((512, 2), (1024, 2), (2048, 2), (2048, 4), (4096, 4))):
-    """Keys per tile and warps of the pairs compaction (one block scan per tile), alternating, whole spotlight step
-    (`run_attention`), selection stage shown."""
-    saved = dict(tk.SELECT_TUNE)
-    for _ in range(2):
-        for block, warps in variants:
-            tk.SELECT_TUNE.update(pairs_block=block, num_warps=warps)
-            for batch, n in ((8, 131072), (1, 32768), (8, 32768)):
-                step_result(f"{block}/{warps}", batch, n, "select (threshold in the window + compaction)")
-    tk.SELECT_TUNE.update(saved)
-
-
-if "ptile" in SECTIONS:
-    ptile_probe()
-
-
-def regcap_probe():
-    """The selecting scorer with its registers capped for 8 programs per SM (`_register_cap`) against no cap (7 fit
-    with triton 3.6's 72 registers: a partial second wave) and against a grid sized for 7; whole spotlight step
-    (`run_attention`), alternating, twice."""
-    saved = dict(ham.TUNE)
-    for _ in range(2):
-        for cap, progs in ((True, 8), (False, 8), (False, 7)):
-            ham.TUNE.update(cap_registers=cap, progs_per_sm=progs)
-            for batch, n in ((8, 131072), (8, 131077), (1, 32768), (8, 32768)):
-                step_result(f"{'cap' if cap else 'nocap'}{progs}", batch, n, "score (hash + hamming + window histogram)")
-    ham.TUNE.update(saved)
-
-
-if "regcap" in SECTIONS:
-    regcap_probe()
-
-
 def rotate_probe():
-    """Scorer programs starting at another tile of their chunk (TUNE["rotate"]), with and without the register
-    cap (`regcap`): whole spotlight step (`run_attention`), alternating, twice."""
+    """Scorer programs starting at a row-dependent tile of their chunk (TUNE["rotate"]) or all at their first tile:
+    whole spotlight step (`run_attention`), alternating, twice (v44; the register-cap variants of that run were
+    measured with a knob since removed: results/kernels_s10/probe_regcap.log)."""
     saved = dict(ham.TUNE)
     for _ in range(2):
-        for rotate, cap in ((0, False), (1, False), (2, False), (1, True), (2, True)):
-            ham.TUNE.update(rotate=rotate, cap_registers=cap)
+        for rotate in (False, True):
+            ham.TUNE["rotate"] = rotate
             for batch, n in ((8, 131072), (8, 131077), (1, 32768), (8, 32768)):
-                step_result(f"rot{rotate}{' cap' if cap else ''}", batch, n,
-                            "score (hash + hamming + window histogram)")  # fmt: skip
+                step_result(f"rot {rotate}", batch, n, "score (hash + hamming + window histogram)")
     ham.TUNE.update(saved)
 
 

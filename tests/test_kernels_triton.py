@@ -124,14 +124,11 @@ def test_hamming_topk_triton(impl, k):
 
 
 @here
-@pytest.mark.parametrize("rotate", [0, 1, 2])
-def test_hamming_topk_last_chunk_runs_to_row_end(impl, monkeypatch, rotate):
+def test_hamming_topk_last_chunk_runs_to_row_end(impl):
     """A row a tile longer than its equal chunks (decode lengths 2**17 + t): the last chunk takes the extra tile
-    in the scorer, the window histogram and both compactions; the selected set matches the reference. rotate:
-    the scorer's programs start at other tiles of their chunks (the last, partial one included)."""
+    in the scorer, the window histogram and both compactions; the selected set matches the reference."""
     from sparsekv.kernels.hamming import hamming_topk_reference
 
-    monkeypatch.setitem(impl["_hamming_triton"].TUNE, "rotate", rotate)
     tk = impl["_topk_triton"]
     n = 4101  # 33 scorer tiles of 128 over 8 rows: 4 chunks of 8 tiles, the last with 9 (CPU counts 4 SMs)
     gen = torch.Generator().manual_seed(5)
@@ -145,6 +142,27 @@ def test_hamming_topk_last_chunk_runs_to_row_end(impl, monkeypatch, rotate):
             qc, kc, 90, bits=128, recent_first=True, sink=1, local=2, threshold_hint=hint
         )
         assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
+
+
+@here
+def test_scorer_rotated_tile_order_keeps_the_output(impl, monkeypatch):
+    """Scorer programs that start at a row-dependent tile of their chunk and wrap around (`rotate`) write the
+    same scores and histograms, so the same indices come out, in the same order; a partial last tile included."""
+    ham = impl["_hamming_triton"]
+    monkeypatch.setitem(ham.TUNE, "rotate_min_tiles", 2)
+    # chunks of several tiles: one row of 4101 keys on the interpreter's 4 SMs, 64 rows of 40005 keys on a GPU
+    b, hkv, n = (8, 8, 40005) if CUDA else (1, 2, 4101)
+    gen = torch.Generator().manual_seed(8)
+    qc, kc = _codes((b, 4 * hkv, 1, 4), gen), _codes((b, hkv, n, 4), gen)
+    assert ham.hamming_score_hist(qc, kc, bits=128).bpc >= 2
+    outs = []
+    for rotate in (False, True):
+        monkeypatch.setitem(ham.TUNE, "rotate", rotate)
+        state = ham.hamming_score_hist(qc, kc, bits=128, recent_first=True, sink=1, local=3)
+        # the scorer writes level 0 of the histograms (the selection writes level 1 later)
+        outs.append((state.scores.cpu(), state.hist[0].cpu(), ham.hamming_select(state, 300).cpu()))
+    for before, after in zip(*outs):
+        assert torch.equal(before, after)
 
 
 def test_chunking_gives_the_remainder_to_the_last_chunk():
@@ -447,18 +465,13 @@ def test_lut_triton(impl, mode):
 
 @here
 @pytest.mark.parametrize("inline", [True, False] if CUDA else [False])
-@pytest.mark.parametrize("n,k,hi,depth,block", [(4096, 100, 512, 1, 512), (2600, 300, 9, 2, 512), (8, 3, 1, 3, 512),
-                                               (1048, 1, 0, 1, 512), (5000, 70, 512, 3, 2048),
-                                               (1504, 200, 40, 2, 1024), (9000, 150, 300, 1, 4096)])  # fmt: skip
-def test_compaction_pairs_mode(impl, monkeypatch, inline, n, k, hi, depth, block):
+@pytest.mark.parametrize("n,k,hi", [(4096, 100, 512), (2600, 300, 9), (8, 3, 1), (1048, 1, 0), (5000, 70, 512)])
+def test_compaction_pairs_mode(impl, monkeypatch, inline, n, k, hi):
     """int16 scores take the bit-mask compaction: the same indices in the same order as the ordered scan (keys
     above the threshold by position, then the first equal ones), many ties, the 0 / 2**15 - 1 edges, rows that
-    end mid-tile and a chunk split; the GPU runs its PTX store loop and the per-key stores. depth: tiles of
-    scores in flight; block: keys per tile."""
+    end mid-tile and a chunk split; the GPU runs its PTX store loop and the per-key stores."""
     tk = impl["_topk_triton"]
     monkeypatch.setitem(tk.PAIRS_INLINE, "on", inline)
-    monkeypatch.setitem(tk.SELECT_TUNE, "depth", depth)
-    monkeypatch.setitem(tk.SELECT_TUNE, "pairs_block", block)
     gen = torch.Generator().manual_seed(n + k)
     scores = torch.randint(0, hi + 1, (3, n), generator=gen, dtype=torch.int16)
     scores[0, : n // 3] = hi  # a run of equal top scores

@@ -32,11 +32,11 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none). cap_registers: see _register_cap. rotate: where each program starts in its chunk
-# (0: the first tile; 1, 2: a tile that depends on the row / row and chunk).
+# in flight (0 / False: none). rotate: programs of chunks of at least rotate_min_tiles tiles start at a tile
+# that depends on their row (at 32K x B8, 4 tiles a chunk, it cost 0.3 us) (docs/kernels-notes.md v44; H200, 128K x B8: step 106.0 -> 102.8 us, 131077 keys 111.0 -> 106.5 us).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
-        "group_adders": True, "prefetch": True, "cap_registers": False,
-        "rotate": 0}
+        "group_adders": True, "prefetch": True, "rotate": True,
+        "rotate_min_tiles": 8}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -133,7 +133,7 @@ def _hamming_kernel(
     HEADS0: tl.constexpr = 0,
     HEADS1: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
-    ROTATE: tl.constexpr = 0,
+    ROTATE: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -164,9 +164,9 @@ def _hamming_kernel(
     # the last chunk runs to the end of the row (_topk_triton.chunking)
     chunk_end = tl.where(c == num_chunks - 1, N, (c + 1) * blocks_per_chunk * BLOCK)
     tiles = tl.cdiv(chunk_end - c * blocks_per_chunk * BLOCK, BLOCK)
-    # ROTATE: each program starts at another tile of its chunk and wraps around (the scores and histograms do
-    # not depend on the order), so that programs do not stream addresses 2**k bytes apart in lockstep
-    rot = ((r * 7 + c * 3) % tiles if ROTATE == 2 else r % tiles) if ROTATE else 0
+    # ROTATE: row r's programs start at tile r of their chunks and wrap around (the scores and histograms do not
+    # depend on the order), so that a thousand programs do not stream addresses 128 KB apart in lockstep
+    rot = r % tiles if ROTATE else 0
     if PREFETCH:
         start = first + rot * BLOCK
         nxt = _load_codes(k_base, start, start < N, N, w, wmask, W, skn, REVERSE, VEC)
@@ -228,16 +228,6 @@ def _hamming_kernel(
             h = packed_counts(acc, PACKED)
         row = HSLOT * tl.num_programs(1) + r.to(tl.int64)
         tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
-
-
-def _register_cap() -> dict:
-    """Launch option capping the selecting scorer's registers so that TUNE["progs_per_sm"] programs fit an SM's
-    65536 registers, as `chunking` assumes: otherwise the grid spills into a second wave (triton 3.6 gave it 72
-    registers, 7 programs per SM for a grid sized for 8)."""
-    if not TUNE["cap_registers"]:
-        return {}
-    per_thread = 65536 // (TUNE["progs_per_sm"] * 32 * TUNE["num_warps"])
-    return {"maxnreg": per_thread // 8 * 8}
 
 
 def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
@@ -309,10 +299,9 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
         PREFETCH=int(TUNE["prefetch"]),
-        ROTATE=TUNE["rotate"],
+        ROTATE=TUNE["rotate"] and bpc >= TUNE["rotate_min_tiles"],
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
-        **(_register_cap() if radix is not None and key_codes.is_cuda else {}),
     )
     return out, hist, num_chunks, bpc, block, base
 

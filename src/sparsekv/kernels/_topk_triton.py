@@ -113,9 +113,8 @@ COMPACT_MODE = {"mode": "pairs"}
 # the pairs compaction's stores as one PTX loop per thread (GPU only; off: one masked tl.store per key, as in the
 # interpreter; the GPU tests run both)
 PAIRS_INLINE = {"on": True}
-# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them); depth: tiles of scores
-# in flight in the pairs compaction (1-3); pairs_block: its tile (one block scan per tile)
-SELECT_TUNE = {"block": 512, "num_warps": 2, "depth": 1, "pairs_block": 512}
+# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
+SELECT_TUNE = {"block": 512, "num_warps": 2}
 
 
 @triton.jit
@@ -491,7 +490,6 @@ def _compact_pairs_kernel(
     INLINE: tl.constexpr = False,
     USE_POPC: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    DEPTH: tl.constexpr = 1,
 ):
     """The compaction of int16 scores in [0, 2**15) on bit masks: the same output as _compact_kernel's scan mode
     (keys above the threshold by position, then the first `need` equal ones). A thread compares two scores per
@@ -510,14 +508,10 @@ def _compact_pairs_kernel(
     rows = tl.arange(0, R)
     cols = tl.arange(0, W)
     # pairs_ok: rows are 16-byte aligned and n_load a multiple of KEYS, so a row that starts below the limit
-    # lies inside the buffer, and a mask of one value per row keeps the load one vector. The first DEPTH tiles
-    # are requested before the threshold is derived: their latency overlaps the histogram reads.
+    # lies inside the buffer, and a mask of one value per row keeps the load one vector. The first tile is
+    # requested before the threshold is derived: its latency overlaps the histogram reads (v42).
     widx = chunk0 // 2 + rows[:, None] * W + cols[None, :]
     nxt = tl.load(words_row + widx, mask=(chunk0 + rows * KEYS < limit)[:, None], other=0)
-    if DEPTH > 1:
-        nxt2 = tl.load(words_row + widx + BLOCK // 2, mask=(chunk0 + BLOCK + rows * KEYS < limit)[:, None], other=0)
-    if DEPTH > 2:
-        nxt3 = tl.load(words_row + widx + BLOCK, mask=(chunk0 + 2 * BLOCK + rows * KEYS < limit)[:, None], other=0)
     thr, need_eq, base_gt, base_eq, _ = row_threshold(
         hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
@@ -531,18 +525,8 @@ def _compact_pairs_kernel(
     for i in range(0, length, BLOCK):
         key0 = chunk0 + i + rows * KEYS  # first key of each thread's row
         words = nxt.to(tl.uint32, bitcast=True)
-        # the next DEPTH tiles' loads are in flight while this one is compared and stored
-        ahead = words_row + widx + (i + DEPTH * BLOCK) // 2
-        ahead_mask = (key0 + DEPTH * BLOCK < limit)[:, None]
-        if DEPTH == 1:
-            nxt = tl.load(ahead, mask=ahead_mask, other=0)
-        elif DEPTH == 2:
-            nxt = nxt2
-            nxt2 = tl.load(ahead, mask=ahead_mask, other=0)
-        else:
-            nxt = nxt2
-            nxt2 = nxt3
-            nxt3 = tl.load(ahead, mask=ahead_mask, other=0)
+        # the next tile's load is in flight while this one is compared and stored
+        nxt = tl.load(words_row + widx + (i + BLOCK) // 2, mask=(key0 + BLOCK < limit)[:, None], other=0)
         valid = (1 << tl.minimum(tl.maximum(limit - key0, 0), KEYS)) - 1
         m_gt = _pair_bits(words, c_gt, W) & valid
         m_eq = (_pair_bits(words, c_ge, W) & ~m_gt) & valid
@@ -671,13 +655,11 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     win = {"WINDOW": window is not None, "base_ptr": window[0] if window else None, "hint_ptr": hint,
            "top": window[1] if window else 0}  # fmt: skip
     if COMPACT_MODE["mode"] == "pairs" and pairs_ok(src, lo, is_float, n_load, chunk_len):
-        pairs_block = max(min(SELECT_TUNE["pairs_block"], triton.next_power_of_2(chunk_len)), 2 * SCORE_PAIRS)
         _compact_pairs_kernel[(num_chunks, rows)](
             src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
-            BLOCK=pairs_block, W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
-            USE_POPC=src.is_cuda, DEPTH=SELECT_TUNE["depth"], num_warps=SELECT_TUNE["num_warps"], **win,
-            **pdl_launch(src.device),
+            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
+            USE_POPC=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
         )  # fmt: skip
         return out
     cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out
