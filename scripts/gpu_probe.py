@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,rowpad]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -610,18 +610,3 @@ def rotate_probe():
 if "rotate" in SECTIONS:
     rotate_probe()
 
-
-def rowpad_probe():
-    """Score rows padded by extra keys (TUNE["score_row_pad"], a multiple of 8), so that the compaction's
-    programs do not read addresses a power of two apart in lockstep: whole step, selection stage, alternating."""
-    saved = dict(ham.TUNE)
-    for _ in range(2):
-        for pad in (0, 64, 136):
-            ham.TUNE["score_row_pad"] = pad
-            for batch, n in ((8, 131072), (8, 131077), (8, 32768)):
-                step_result(f"pad {pad}", batch, n, "select (threshold in the window + compaction)")
-    ham.TUNE.update(saved)
-
-
-if "rowpad" in SECTIONS:
-    rowpad_probe()

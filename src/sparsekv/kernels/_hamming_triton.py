@@ -36,7 +36,7 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # that depends on their row (at 32K x B8, 4 tiles a chunk, it cost 0.3 us) (docs/kernels-notes.md v44; H200, 128K x B8: step 106.0 -> 102.8 us, 131077 keys 111.0 -> 106.5 us).
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
         "group_adders": True, "prefetch": True, "rotate": True,
-        "rotate_min_tiles": 8, "score_row_pad": 0}
+        "rotate_min_tiles": 8}
 
 
 # Summing popcount(q_h ^ k) over a GQA group costs one POPC per head and word, and POPC issues at a quarter of the
@@ -243,7 +243,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         query_codes = query_codes.contiguous()
     rows = b * hkv * q
     # the selection reads each row of scores in 16-byte vectors: rows padded to a multiple of 64 (n_load)
-    n_alloc = triton.cdiv(n, 64) * 64 + TUNE["score_row_pad"] if radix is not None else n
+    n_alloc = triton.cdiv(n, 64) * 64 if radix is not None else n
     out = torch.empty(b, hkv, q, n_alloc, dtype=out_dtype, device=key_codes.device)[..., :n]
     block = (TUNE["block"] if radix is not None else TUNE["block_plain"]) if n >= 8192 else 128
     # long codes (e.g. 1024-bit LSH, 32 words) keep the [block, words] tile within ~16 registers per thread
