@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -610,3 +610,19 @@ def rotate_probe():
 if "rotate" in SECTIONS:
     rotate_probe()
 
+
+
+def scoretile_probe(variants=((512, 8), (1024, 8), (256, 8), (512, 6), (512, 12))):
+    """The scorer's tile and programs per SM again, now that long chunks rotate (v44): whole spotlight step
+    (`run_attention`), alternating, twice."""
+    saved = dict(ham.TUNE)
+    for _ in range(2):
+        for block, progs in variants:
+            ham.TUNE.update(block=block, progs_per_sm=progs)
+            for batch, n in ((8, 131072), (8, 131077)):
+                step_result(f"{block}/{progs}", batch, n, "score (hash + hamming + window histogram)")
+    ham.TUNE.update(saved)
+
+
+if "scoretile" in SECTIONS:
+    scoretile_probe()
