@@ -9,7 +9,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -m pytest -q -x tests/test_kernels_triton.py tests/test_kernels_reference.py 2>&1 | tee "$OUT/pytest.log" | tail -15
 B="python3 -m sparsekv.bench.cli"
 $B kernels --batch 8 --context 131072 --output "$OUT/kernels_128k_b8.json" 2>&1 | tee "$OUT/bench.log"
-for cfg in "8 131072" "1 32768" "8 32768" "1 131072" "1 1048576"; do
+for cfg in "8 131072" "8 131077" "1 32768" "8 32768" "1 131072" "1 1048576"; do
   set -- $cfg
   $B attention --method spotlight --batch "$1" --context "$2" --budget 0.02 \
     --output "$OUT/attention_spotlight_b$1_n$2.json" 2>&1 | tee -a "$OUT/bench.log"
