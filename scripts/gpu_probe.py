@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -626,3 +626,27 @@ def scoretile_probe(variants=((512, 8), (1024, 8), (256, 8), (512, 6), (512, 12)
 
 if "scoretile" in SECTIONS:
     scoretile_probe()
+
+
+def nowin_probe():
+    """Score + level-0 radix histogram without a threshold window (the first decode step; `bench kernels`' "hamming
+    score+histogram" row) and with a warm window, rotation (v44) off / on, alternating, twice; 128K x B8."""
+    codes = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
+             for _ in range(3)]  # fmt: skip
+    qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
+           for _ in range(3)]  # fmt: skip
+    hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
+    for i in range(3):
+        ham.hamming_select(ham.hamming_score_hist(qcs[i], codes[i], bits=128, threshold_hint=hints[i]), K)
+    for _ in range(2):
+        for rotate in (False, True):
+            ham.TUNE["rotate"] = rotate
+            plain = graph_us(lambda i: ham.hamming_score_hist(qcs[i], codes[i], bits=128), 3)
+            window = graph_us(lambda i: ham.hamming_score_hist(qcs[i], codes[i], bits=128, threshold_hint=hints[i]), 3)
+            print(f"RESULT rotate {rotate}: score + radix histogram {plain:.1f} us, score + window {window:.1f} us",
+                  flush=True)  # fmt: skip
+    ham.TUNE["rotate"] = True
+
+
+if "nowin" in SECTIONS:
+    nowin_probe()
