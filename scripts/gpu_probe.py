@@ -629,22 +629,27 @@ if "scoretile" in SECTIONS:
 
 
 def nowin_probe():
-    """Score + level-0 radix histogram without a threshold window (the first decode step; `bench kernels`' "hamming
-    score+histogram" row) and with a warm window, rotation (v44) off / on, alternating, twice; 128K x B8."""
+    """Score + histogram alone, newest-first (the selectors') and forward (`bench kernels`' rows), without a
+    threshold window (the first decode step) and with a warm one, rotation (v44) off / on, alternating, twice;
+    128K x B8. Rotation applies to newest-first scoring only, so the forward lines show both settings equal."""
     codes = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
              for _ in range(3)]  # fmt: skip
     qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
            for _ in range(3)]  # fmt: skip
-    hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
-    for i in range(3):
-        ham.hamming_select(ham.hamming_score_hist(qcs[i], codes[i], bits=128, threshold_hint=hints[i]), K)
-    for _ in range(2):
-        for rotate in (False, True):
-            ham.TUNE["rotate"] = rotate
-            plain = graph_us(lambda i: ham.hamming_score_hist(qcs[i], codes[i], bits=128), 3)
-            window = graph_us(lambda i: ham.hamming_score_hist(qcs[i], codes[i], bits=128, threshold_hint=hints[i]), 3)
-            print(f"RESULT rotate {rotate}: score + radix histogram {plain:.1f} us, score + window {window:.1f} us",
-                  flush=True)  # fmt: skip
+    for recent in (True, False):
+        hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
+        for i in range(3):
+            ham.hamming_select(ham.hamming_score_hist(qcs[i], codes[i], bits=128, threshold_hint=hints[i],
+                                                      recent_first=recent), K)  # fmt: skip
+        for _ in range(2):
+            for rotate in (False, True):
+                ham.TUNE["rotate"] = rotate
+                plain = graph_us(lambda i, r=recent: ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=r), 3)
+                window = graph_us(lambda i, r=recent, h=hints: ham.hamming_score_hist(qcs[i], codes[i], bits=128,
+                                                                                      recent_first=r, threshold_hint=h[i]),
+                                  3)  # fmt: skip
+                print(f"RESULT {'newest-first' if recent else 'forward'} rotate {rotate}: score + radix histogram "
+                      f"{plain:.1f} us, score + window {window:.1f} us", flush=True)  # fmt: skip
     ham.TUNE["rotate"] = True
 
 
