@@ -147,7 +147,8 @@ def test_hamming_topk_last_chunk_runs_to_row_end(impl):
 @here
 def test_scorer_rotated_tile_order_keeps_the_output(impl, monkeypatch):
     """Scorer programs that start at a row-dependent tile of their chunk and wrap around (`rotate`) write the
-    same scores and histograms, so the same indices come out, in the same order; a partial last tile included."""
+    same scores and window histograms, so the same indices come out, in the same order; a partial last tile
+    included."""
     ham = impl["_hamming_triton"]
     monkeypatch.setitem(ham.TUNE, "rotate_min_tiles", 2)
     # chunks of several tiles: one row of 4101 keys on the interpreter's 4 SMs, 64 rows of 40005 keys on a GPU
@@ -158,9 +159,11 @@ def test_scorer_rotated_tile_order_keeps_the_output(impl, monkeypatch):
     outs = []
     for rotate in (False, True):
         monkeypatch.setitem(ham.TUNE, "rotate", rotate)
-        state = ham.hamming_score_hist(qc, kc, bits=128, recent_first=True, sink=1, local=3)
-        # the scorer writes level 0 of the histograms (the selection writes level 1 later)
-        outs.append((state.scores.cpu(), state.hist[0].cpu(), ham.hamming_select(state, 300).cpu()))
+        # the decode step's scoring (newest key first, a threshold window) is the one that rotates
+        hint = torch.full((b * hkv,), 300, dtype=torch.int32, device=DEV)
+        state = ham.hamming_score_hist(qc, kc, bits=128, recent_first=True, sink=1, local=3, threshold_hint=hint)
+        # the scorer writes the window histogram after the radix levels (the selection writes those later)
+        outs.append((state.scores.cpu(), state.hist[state.levels].cpu(), ham.hamming_select(state, 300).cpu()))
     for before, after in zip(*outs):
         assert torch.equal(before, after)
 

@@ -32,10 +32,11 @@ WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histog
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
-# in flight (0 / False: none). rotate: in newest-first scoring (the selectors'), programs of chunks of at least
-# rotate_min_tiles tiles start at a tile that depends on their row (docs/kernels-notes.md v44). H200, 128K x B8:
-# step 106.0 -> 102.8 us, 131077 keys 111.0 -> 106.5 us; 32K x B8 (4 tiles a chunk) lost 0.3 us, and forward
-# scoring lost 4.5 us, so both keep the plain order.
+# in flight (0 / False: none). rotate: in the decode step's scoring (newest key first, threshold window), the
+# programs of chunks of at least rotate_min_tiles tiles start at a tile that depends on their row
+# (docs/kernels-notes.md v44). H200, 128K x B8: step 106.0 -> 102.8 us, 131077 keys 111.0 -> 106.5 us. It lost
+# elsewhere, which keeps the plain order: 32K x B8 (4 tiles a chunk) 0.3 us, forward scoring 4.5 us, newest-first
+# scoring without a window 3.7 us.
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
         "group_adders": True, "prefetch": True, "rotate": True, "rotate_min_tiles": 8}
 
@@ -300,7 +301,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         HEADS0=min(g, 4) if TUNE["group_adders"] and g <= 8 else 0,
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
         PREFETCH=int(TUNE["prefetch"]),
-        ROTATE=TUNE["rotate"] and reverse and bpc >= TUNE["rotate_min_tiles"],
+        ROTATE=TUNE["rotate"] and window and reverse and bpc >= TUNE["rotate_min_tiles"],
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
     )
