@@ -185,8 +185,8 @@ def _hamming_kernel(
         if PREFETCH:  # the next PREFETCH tiles' codes are in flight while this one is scored
             kc = nxt
             ahead = first + ((i + PREFETCH + rot) % tiles if ROTATE else i + PREFETCH) * BLOCK
-            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & (tl.zeros_like(first) + i + PREFETCH < tiles), N, w, wmask, W, skn,
-                                      REVERSE, VEC)  # fmt: skip
+            in_chunk = tl.zeros_like(first) + i + PREFETCH < tiles
+            ahead_codes = _load_codes(k_base, ahead, (ahead < N) & in_chunk, N, w, wmask, W, skn, REVERSE, VEC)
             if PREFETCH > 1:
                 nxt = nxt2
                 nxt2 = ahead_codes
