@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin,levelrot]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -655,33 +655,3 @@ def nowin_probe():
 
 if "nowin" in SECTIONS:
     nowin_probe()
-
-
-def levelrot_probe():
-    """The radix level passes with a row-dependent start tile (SELECT_TUNE["rotate"]) or not: selection without a
-    threshold window, with a window the threshold left, and the general int / float top-k (`bench kernels`
-    shapes), alternating, twice; 128K x B8."""
-    codes = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
-             for _ in range(3)]  # fmt: skip
-    qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
-           for _ in range(3)]  # fmt: skip
-    plain = [ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True) for i in range(3)]
-    cold = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
-    missed = [ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True, threshold_hint=cold[i])
-              for i in range(3)]  # fmt: skip
-    ints = [torch.randint(0, 513, (B * HKV, N), device=dev, dtype=torch.int16, generator=gen) for _ in range(3)]
-    floats = [torch.randn(B * HQ, N, device=dev, generator=gen) for _ in range(3)]
-    for _ in range(2):
-        for rotate in (False, True):
-            tk.SELECT_TUNE["rotate"] = rotate
-            t = [graph_us(lambda i: ham.hamming_select(plain[i], K), 3),
-                 graph_us(lambda i: ham.hamming_select(missed[i], K), 3),
-                 graph_us(lambda i: tk.select_topk_int(ints[i], K, 0, 512), 3),
-                 graph_us(lambda i: tk.select_topk_float(floats[i], K), 3)]  # fmt: skip
-            print(f"RESULT rotate {rotate}: select without a window {t[0]:.1f} us, window missed {t[1]:.1f} us, "
-                  f"select_topk int {t[2]:.1f} us, float {t[3]:.1f} us", flush=True)  # fmt: skip
-    tk.SELECT_TUNE["rotate"] = False
-
-
-if "levelrot" in SECTIONS:
-    levelrot_probe()

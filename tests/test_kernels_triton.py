@@ -275,28 +275,6 @@ def test_select_topk_float_triton(impl, dtype):
 
 
 @here
-def test_level_passes_rotated_tile_order_keep_the_output(impl, monkeypatch):
-    """Level-pass programs that start at a row-dependent tile of their chunk (SELECT_TUNE["rotate"]) count the
-    same histograms: int and float selections return the same indices in the same order, with ties and rows
-    that end mid-tile."""
-    tk = impl["_topk_triton"]
-    gen = torch.Generator().manual_seed(21)
-    # chunks of several 512-key tiles: 32 rows on the interpreter's 4 SMs (2 chunks a row), 40003 keys a row on a GPU
-    n = 40003 if CUDA else 3001
-    ints = torch.randint(0, 300, (32, n), generator=gen, dtype=torch.int16)
-    floats = torch.randn(32, n, generator=gen)
-    floats[:, :40] = floats[:, 40:41]  # ties
-    outs = []
-    for rotate in (False, True):
-        monkeypatch.setitem(tk.SELECT_TUNE, "rotate", rotate)
-        outs.append((tk.select_topk_int(ints.to(DEV), 77, 0, 299).cpu(), tk.select_topk_float(floats.to(DEV), 77).cpu()))
-    for before, after in zip(*outs):
-        assert torch.equal(before, after)
-    assert_topk_set(ints, outs[1][0], 77)
-    assert_topk_set(floats, outs[1][1], 77)
-
-
-@here
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize(
     "hq,hkv,per_head,d,n,k,masked",

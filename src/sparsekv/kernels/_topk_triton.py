@@ -113,9 +113,8 @@ COMPACT_MODE = {"mode": "pairs"}
 # the pairs compaction's stores as one PTX loop per thread (GPU only; off: one masked tl.store per key, as in the
 # interpreter; the GPU tests run both)
 PAIRS_INLINE = {"on": True}
-# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them); rotate: the level
-# passes' programs start at a row-dependent tile (_level_pass)
-SELECT_TUNE = {"block": 512, "num_warps": 2, "rotate": False}
+# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
+SELECT_TUNE = {"block": 512, "num_warps": 2}
 
 
 @triton.jit
@@ -215,7 +214,6 @@ def _hist_kernel(
     base_ptr=None,
     top=0,
     USE_PDL: tl.constexpr = False,
-    ROTATE: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -229,14 +227,14 @@ def _hist_kernel(
         needed = True
     if needed:
         _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
-                    LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK, ONEHOT, PACKED, PREFETCH, ROTATE)  # fmt: skip
+                    LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK, ONEHOT, PACKED, PREFETCH)  # fmt: skip
 
 
 @triton.jit
 def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
                 LEVEL: tl.constexpr, LEVELS: tl.constexpr, NBITS: tl.constexpr, CP: tl.constexpr,
                 IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, ONEHOT: tl.constexpr, PACKED: tl.constexpr,
-                PREFETCH: tl.constexpr, ROTATE: tl.constexpr):  # fmt: skip
+                PREFETCH: tl.constexpr):  # fmt: skip
     if LEVEL > 0:
         prefix, _k, _g, _e = derive_threshold(hist_ptr, r, num_rows, num_chunks, k, LEVEL, NBITS, CP)
     else:
@@ -245,28 +243,23 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
     if PACKED:
         acc = tl.zeros([BLOCK, PACKED], dtype=tl.int32)
-    row_ptr = src_ptr + r.to(tl.int64) * stride_row + c * blocks_per_chunk
+    row_ptr = src_ptr + r.to(tl.int64) * stride_row
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
-    limit = tl.minimum(length, n_load - c * blocks_per_chunk)  # what may be read
-    valid = tl.minimum(length, N - c * blocks_per_chunk)  # what counts
-    lane = tl.arange(0, BLOCK)
-    tiles = tl.cdiv(length, BLOCK)
-    # ROTATE: row r starts at tile r of its chunk and wraps around (a histogram does not depend on the order; see
-    # the scorer's rotation, docs/kernels-notes.md v44)
-    rot = r % tiles if ROTATE else 0
     if PREFETCH:
-        loc = rot * BLOCK + lane
-        nxt = tl.load(row_ptr + loc, mask=loc < limit, other=0)
+        first = c * blocks_per_chunk + tl.arange(0, BLOCK)
+        nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < length), other=0)
     # chunk c = keys from c * blocks_per_chunk (runtime: chunk length in elements) on, read BLOCK at a time
-    for it in range(tiles):
-        loc = ((it + rot) % tiles if ROTATE else it) * BLOCK + lane
-        nmask = loc < valid
+    for i in range(0, length, BLOCK):
+        loc = i + tl.arange(0, BLOCK)
+        offs = c * blocks_per_chunk + loc
+        nmask = (offs < N) & (loc < length)
         if PREFETCH:  # the next tile's load is in flight while this one is counted
             s = nxt
-            ahead = ((it + 1 + rot) % tiles if ROTATE else it + 1) * BLOCK + lane
-            nxt = tl.load(row_ptr + ahead, mask=(ahead < limit) & (tl.zeros_like(lane) + it + 1 < tiles), other=0)
+            nxt = tl.load(
+                row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
+            )
         else:
-            s = tl.load(row_ptr + loc, mask=loc < limit, other=0)
+            s = tl.load(row_ptr + offs, mask=(offs < n_load) & (loc < length), other=0)
         if PACKED:
             digit, ok = level_digit(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
             acc = packed_add(acc, digit, ok, PACKED)
@@ -628,7 +621,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
             PACKED=packed_bits(nbits, max_chunk_tiles(n_load, sb, num_chunks, triton.cdiv(chunk_len, sb)), block=sb),
-            PREFETCH=PREFETCH["on"], ROTATE=SELECT_TUNE["rotate"],
+            PREFETCH=PREFETCH["on"],
             WINDOW=window is not None, base_ptr=base, top=top, num_warps=SELECT_TUNE["num_warps"],
             **pdl_launch(src.device),
         )  # fmt: skip
