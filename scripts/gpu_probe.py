@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin,comprot]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -655,18 +655,3 @@ def nowin_probe():
 
 if "nowin" in SECTIONS:
     nowin_probe()
-
-
-def comprot_probe():
-    """The decode step's pairs compaction starting at a row-dependent tile (SELECT_TUNE["rotate"]) or at the
-    first: whole spotlight step (`run_attention`), selection stage shown, alternating, twice."""
-    for _ in range(2):
-        for rotate in (False, True):
-            tk.SELECT_TUNE["rotate"] = rotate
-            for batch, n in ((8, 131072), (8, 131077), (1, 1048576)):
-                step_result(f"crot {rotate}", batch, n, "select (threshold in the window + compaction)")
-    tk.SELECT_TUNE["rotate"] = False
-
-
-if "comprot" in SECTIONS:
-    comprot_probe()

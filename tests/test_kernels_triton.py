@@ -168,34 +168,6 @@ def test_scorer_rotated_tile_order_keeps_the_output(impl, monkeypatch):
         assert torch.equal(before, after)
 
 
-@here
-@pytest.mark.parametrize("tied", [False, True])
-def test_compaction_rotated_tile_order_keeps_the_set(impl, monkeypatch, tied):
-    """The decode step's pairs compaction starting at a row-dependent tile (SELECT_TUNE["rotate"]) stores the
-    reference's set in another order; the chunk where the quota of keys equal to the threshold ends keeps the
-    position order, so ties still go to the most recent keys."""
-    from sparsekv.kernels.hamming import hamming_topk_reference
-
-    ham, tk = impl["_hamming_triton"], impl["_topk_triton"]
-    monkeypatch.setitem(tk.SELECT_TUNE, "rotate_min_keys", 1024)
-    # chunks of several 512-key compaction tiles: 8 rows of 5000 keys on the interpreter, 64 of 40005 on a GPU
-    b, n = (8, 40005) if CUDA else (1, 5000)
-    gen = torch.Generator().manual_seed(31 + tied)
-    qc, kc = _codes((b, 32, 1, 4), gen), _codes((b, 8, n, 4), gen)
-    if tied:  # every 5th key ties with key 0: the threshold's equal keys span every chunk
-        kc[:, :, ::5] = kc[:, :, :1]
-    k = 300
-    ref = hamming_topk_reference(qc.cpu(), kc.cpu(), k, bits=128, recent_first=True, sink=1, local=2)
-    outs = []
-    for rotate in (False, True):
-        monkeypatch.setitem(tk.SELECT_TUNE, "rotate", rotate)
-        hint = torch.zeros(b * 8, dtype=torch.int32, device=DEV)  # a window the threshold is outside of
-        got = ham.hamming_topk_triton(qc, kc, k, bits=128, recent_first=True, sink=1, local=2, threshold_hint=hint)
-        assert torch.equal(got.cpu().sort(-1).values, ref.sort(-1).values)
-        outs.append(got.cpu())
-    assert not torch.equal(outs[0], outs[1])  # the order shows that the rotation ran
-
-
 def test_chunking_gives_the_remainder_to_the_last_chunk():
     from sparsekv.kernels._topk_triton import chunking, max_chunk_tiles, packed_bits
 

@@ -113,10 +113,8 @@ COMPACT_MODE = {"mode": "pairs"}
 # the pairs compaction's stores as one PTX loop per thread (GPU only; off: one masked tl.store per key, as in the
 # interpreter; the GPU tests run both)
 PAIRS_INLINE = {"on": True}
-# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them); rotate: in the decode
-# step (a threshold window), the pairs compaction of chunks of at least rotate_min_keys keys starts at a
-# row-dependent tile
-SELECT_TUNE = {"block": 512, "num_warps": 2, "rotate": False, "rotate_min_keys": 4096}
+# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
+SELECT_TUNE = {"block": 512, "num_warps": 2}
 
 
 @triton.jit
@@ -492,7 +490,6 @@ def _compact_pairs_kernel(
     INLINE: tl.constexpr = False,
     USE_POPC: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
-    ROTATE: tl.constexpr = False,
 ):
     """The compaction of int16 scores in [0, 2**15) on bit masks: the same output as _compact_kernel's scan mode
     (keys above the threshold by position, then the first `need` equal ones). A thread compares two scores per
@@ -514,20 +511,10 @@ def _compact_pairs_kernel(
     # lies inside the buffer, and a mask of one value per row keeps the load one vector. The first tile is
     # requested before the threshold is derived: its latency overlaps the histogram reads (v42).
     widx = chunk0 // 2 + rows[:, None] * W + cols[None, :]
-    tiles = tl.cdiv(length, BLOCK)
-    # ROTATE: row r starts at tile r of its chunk and wraps around (see the scorer's rotation). Above-threshold
-    # keys may be stored in any order; the chunk where the equal keys' quota ends keeps the position order
-    rot = r % tiles if ROTATE else 0
-    nxt = tl.load(words_row + widx + rot * BLOCK // 2, mask=(chunk0 + rot * BLOCK + rows * KEYS < limit)[:, None],
-                  other=0)  # fmt: skip
-    thr, need_eq, base_gt, base_eq, eq_chunk = row_threshold(
+    nxt = tl.load(words_row + widx, mask=(chunk0 + rows * KEYS < limit)[:, None], other=0)
+    thr, need_eq, base_gt, base_eq, _ = row_threshold(
         hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
-    if ROTATE:
-        eq_here = tl.sum(tl.where(tl.arange(0, CP) == c, eq_chunk, 0), axis=0)
-        if (base_eq < need_eq) & (base_eq + eq_here > need_eq) & (rot != 0):
-            rot = 0
-            nxt = tl.load(words_row + widx, mask=(chunk0 + rows * KEYS < limit)[:, None], other=0)
     t = thr + lo  # the threshold as a score
     # score > t  <=>  score + (0x7FFF - t) reaches 2**15;  score >= t  <=>  score + (0x8000 - t) does
     c_gt = (0x7FFF - t).to(tl.uint32)
@@ -535,14 +522,11 @@ def _compact_pairs_kernel(
     c_gt = (c_gt << 16) | c_gt
     c_ge = (c_ge << 16) | c_ge
     cnt_gt = k - need_eq
-    for it in range(tiles):
-        i = ((it + rot) % tiles if ROTATE else it) * BLOCK
+    for i in range(0, length, BLOCK):
         key0 = chunk0 + i + rows * KEYS  # first key of each thread's row
         words = nxt.to(tl.uint32, bitcast=True)
         # the next tile's load is in flight while this one is compared and stored
-        ahead = ((it + 1 + rot) % tiles if ROTATE else it + 1) * BLOCK
-        ahead_ok = (chunk0 + ahead + rows * KEYS < limit) & (tl.zeros_like(rows) + it + 1 < tiles)
-        nxt = tl.load(words_row + widx + ahead // 2, mask=ahead_ok[:, None], other=0)
+        nxt = tl.load(words_row + widx + (i + BLOCK) // 2, mask=(key0 + BLOCK < limit)[:, None], other=0)
         valid = (1 << tl.minimum(tl.maximum(limit - key0, 0), KEYS)) - 1
         m_gt = _pair_bits(words, c_gt, W) & valid
         m_eq = (_pair_bits(words, c_ge, W) & ~m_gt) & valid
@@ -676,7 +660,6 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
             LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
             BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
             USE_POPC=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
-            ROTATE=SELECT_TUNE["rotate"] and window is not None and chunk_len >= SELECT_TUNE["rotate_min_keys"],
         )  # fmt: skip
         return out
     cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out
