@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin,attrot]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -655,30 +655,3 @@ def nowin_probe():
 
 if "nowin" in SECTIONS:
     nowin_probe()
-
-
-def attrot_probe():
-    """The split-K attention's programs starting at a row-dependent block of their slice (TUNE["rotate"]) or at
-    the first: a correctness check, then the whole spotlight step (`run_attention`), attention stage shown,
-    alternating, twice."""
-    from sparsekv.kernels import _sparse_attention_triton as sa
-    from sparsekv.kernels.sparse_attention import sparse_attention_reference
-
-    qq = torch.randn(2, 8, 1, 128, device=dev, dtype=torch.bfloat16, generator=gen)
-    kk, vv = (torch.randn(2, 2, 5000, 128, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    idx = torch.stack([torch.randperm(5000, device=dev)[:777] for _ in range(4)]).view(2, 2, 1, 777)
-    ref = sparse_attention_reference(qq.float(), kk.float(), vv.float(), idx, None, 0.088)
-    for rotate in (False, True):
-        sa.TUNE["rotate"] = rotate
-        got = sa.sparse_attention_triton(qq, kk, vv, idx, None, 0.088, splits=3).float()
-        print(f"RESULT check rotate {rotate}: rel err {float((got - ref).norm() / ref.norm()):.2e}", flush=True)
-    for _ in range(2):
-        for rotate in (False, True):
-            sa.TUNE["rotate"] = rotate
-            for batch, n in ((8, 131072), (1, 1048576), (1, 32768)):
-                step_result(f"arot {rotate}", batch, n, "attend (split-K over gathered K/V)")
-    sa.TUNE["rotate"] = False
-
-
-if "attrot" in SECTIONS:
-    attrot_probe()
