@@ -16,7 +16,7 @@ from sparsekv.kernels._tl_utils import pdl_enter
 from sparsekv.kernels._triton import interpreting, next_pow2, pdl_launch
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
-TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3, "rotate": False}
+TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -126,7 +126,6 @@ def _partial_kernel(
     SP: tl.constexpr = 1,
     PREC: tl.constexpr = "tf32",
     USE_PDL: tl.constexpr = False,
-    ROTATE: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     sp = tl.program_id(0)
@@ -153,11 +152,7 @@ def _partial_kernel(
     acc = tl.zeros([GP, DP], dtype=tl.float32)
     start = sp * split_len
     end = tl.minimum(start + split_len, K)
-    blocks = tl.cdiv(end - start, BLOCK)
-    # ROTATE: row r starts at block r of its slice and wraps around (the scorer's rotation, kernel notes v44)
-    rot = r % tl.maximum(blocks, 1) if ROTATE else 0
-    for it in range(blocks):
-        j = start + ((it + rot) % blocks if ROTATE else it) * BLOCK
+    for j in range(start, end, BLOCK):
         offs = j + tl.arange(0, BLOCK)
         jm = offs < end
         if VALID:
@@ -271,7 +266,6 @@ def sparse_attention_triton(
         PREC=dot_precision(query.dtype),
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
-        ROTATE=TUNE["rotate"],
         **pdl_launch(query.device),
     )
     if merge:
