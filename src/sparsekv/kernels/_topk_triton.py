@@ -552,8 +552,10 @@ def chunking(
     starts at block c * blocks_per_chunk, and the last chunk ends with the row."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     blocks = triton.cdiv(n, block)
-    # at most one wave: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave (H200: score +
-    # select 86.4 us, 79.9 us in 16 chunks)
+    # progs_per_sm programs per SM at most: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave
+    # (H200: score + select 86.4 us, 79.9 us in 16 chunks). Whether they are one wave depends on the compiled
+    # kernel: triton 3.6 gives the scorer 72 registers, 7 programs per SM, and capping it at 8 was slower
+    # (docs/kernels-notes.md v44)
     want_chunks = min(max_chunks, max(1, progs_per_sm * sms // rows))
     # The last chunk always runs to the end of the row. A row a tile or two longer than want_chunks equal
     # chunks (decode lengths 2**17 + t: 257 tiles of 512 for 16 chunks) gives those tiles to the last chunk
