@@ -119,11 +119,22 @@ def main():
     isink = torch.empty(1 << 16, device=dev, dtype=torch.int32)
     code_bytes = codes[0].numel() * 4
     best_stream = None
-    for mult, block, warps in ((8, 256, 4), (4, 512, 4), (8, 512, 8), (16, 128, 4), (4, 256, 4)):
-        t = graph_us(lambda i, c=(mult, block, warps): stream(codes[i], isink, *c), SETS)
-        report(f"stream codes 134 MB, {mult}/SM block {block} warps {warps}", code_bytes, t)
-        if best_stream is None or t < best_stream[1]:
-            best_stream = ((mult, block, warps), t)
+    for mult in (4, 8, 16):
+        for block in (256, 512, 1024):
+            for warps in (4, 8):
+                t = graph_us(lambda i, c=(mult, block, warps): stream(codes[i], isink, *c), SETS)
+                report(f"stream codes 134 MB, {mult}/SM block {block} warps {warps}", code_bytes, t)
+                if best_stream is None or t < best_stream[1]:
+                    best_stream = ((mult, block, warps), t)
+    report("torch.amax over the codes (134 MB)", code_bytes, graph_us(lambda i: torch.amax(codes[i]), SETS))
+    # dense decode attention over as many K/V bytes as the codes: what a long-tuned read kernel reaches
+    qd = torch.randn(B, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    kvd = [torch.randn(2, B, HKV, code_bytes // (2 * 2 * B * HKV * D), D, device=dev, dtype=torch.bfloat16,
+                       generator=gen) for _ in range(SETS)]  # fmt: skip
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    t = graph_us(lambda i: sdpa(qd, kvd[i][0], kvd[i][1], enable_gqa=True), SETS)
+    report("dense SDPA decode over 134 MB of K/V (B8, 4096 keys)", code_bytes, t)
+    kvd.clear()
 
     ks = [torch.randn(ROWS, N, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(SETS)]
     vs = [torch.randn(ROWS, N, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(SETS)]
@@ -162,10 +173,14 @@ def main():
     k4 = [x.view(B, HKV, N, D) for x in ks]
     v4 = [x.view(B, HKV, N, D) for x in vs]
     tickets = torch.zeros(B * HKV, dtype=torch.int32, device=dev)
-    t = graph_us(
-        lambda i: sa.sparse_attention_triton(q, k4[i], v4[i], idx4[i], None, D**-0.5, tickets=tickets), SETS
-    )
-    report("sparse_attention_triton, same positions", kv_bytes, t)
+    saved = dict(sa.TUNE)
+    for block, mult, warps, stages in ((64, 4, 4, 3), (128, 2, 8, 3), (64, 2, 8, 3), (128, 4, 8, 3), (64, 2, 4, 3),
+                                       (32, 8, 4, 3), (128, 2, 8, 2), (64, 4, 4, 3)):  # fmt: skip
+        sa.TUNE.update(block=block, sm_mult=mult, num_warps=warps, num_stages=stages)
+        t = graph_us(lambda i: sa.sparse_attention_triton(q, k4[i], v4[i], idx4[i], None, D**-0.5, tickets=tickets),
+                     SETS)  # fmt: skip
+        report(f"sparse_attention_triton, same positions, {(block, mult, warps, stages)}", kv_bytes, t)
+    sa.TUNE.update(saved)
 
     t = graph_us(
         lambda i: (stream(codes[i], isink, *best_stream[0]), gather(ks[i], vs[i], idx[i], sink, cfg)), SETS
