@@ -2,7 +2,7 @@
 modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
 split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin]   # on a CUDA machine; one line per variant
+    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin,attnshape]   # on a CUDA machine; one line per variant
 """
 
 import sys
@@ -655,3 +655,22 @@ def nowin_probe():
 
 if "nowin" in SECTIONS:
     nowin_probe()
+
+
+def attnshape_probe(variants=((64, 4, 4, 3), (128, 2, 8, 3), (64, 2, 8, 3))):
+    """The split-K attention's tile / programs per SM / warps / stages in the whole spotlight step: a plain gather
+    of the same rows reached 29.8 µs at 128 keys x 8 warps x 2 programs per SM, the attention 33.5 µs at its
+    default (scripts/gpu_bytes_ceiling.py). Alternating, twice."""
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    saved = dict(sa.TUNE)
+    for _ in range(2):
+        for block, mult, warps, stages in variants:
+            sa.TUNE.update(block=block, sm_mult=mult, num_warps=warps, num_stages=stages)
+            for batch, n in ((8, 131072), (8, 131077), (1, 32768), (8, 32768)):
+                step_result(f"{block}/{mult}/{warps}/{stages}", batch, n, "attend (split-K over gathered K/V)")
+    sa.TUNE.update(saved)
+
+
+if "attnshape" in SECTIONS:
+    attnshape_probe()
