@@ -8,8 +8,10 @@ Spotlight step must move, whatever the kernels do around them?
 - the split-K attention kernel over the same positions, for comparison;
 - the two byte streams back to back and concurrently: the floor of any kernel design for these bytes.
 
-    python3 scripts/gpu_bytes_ceiling.py     # on a CUDA machine; the table comes last
+    python3 scripts/gpu_bytes_ceiling.py [bytes,launches]    # on a CUDA machine; the table comes last
 """
+
+import sys
 
 import torch
 import triton
@@ -25,6 +27,7 @@ gen = torch.Generator(device=dev).manual_seed(0)
 SMS = torch.cuda.get_device_properties(dev).multi_processor_count
 B, HQ, HKV, D, N = 8, 32, 8, 128, 131072
 ROWS, K = B * HKV, int(0.02 * N)
+SECTIONS = sys.argv[1] if len(sys.argv) > 1 else "bytes,launches"
 SETS = 2  # input sets cycled through, so a replay does not find the previous one's rows in L2
 
 
@@ -74,6 +77,25 @@ def _hop_kernel(in_ptr, out_ptr, USE_PDL: tl.constexpr = False):
     tl.store(out_ptr + tl.program_id(0), tl.load(in_ptr) + 1)
 
 
+@triton.jit
+def _barrier_kernel(ctr_ptr, buf_ptr, BARRIERS: tl.constexpr, USE_PDL: tl.constexpr = False):
+    """One launch, all programs resident, BARRIERS grid-wide barriers: each program writes, waits for every
+    program, then reads a neighbour's write. The counter only grows: a program's ticket t says which barrier
+    episode it is in, and the episode ends at the next multiple of the grid size."""
+    pdl_enter(USE_PDL)
+    p = tl.program_id(0)
+    grid = tl.num_programs(0)
+    x = tl.load(buf_ptr + p)
+    for _ in tl.static_range(BARRIERS):
+        tl.store(buf_ptr + p, x + 1)
+        tl.debug_barrier()
+        target = (tl.atomic_add(ctr_ptr, 1, sem="acq_rel") // grid + 1) * grid
+        while tl.atomic_add(ctr_ptr, 0, sem="acquire") < target:
+            pass
+        x = tl.load(buf_ptr + (p + 1) % grid, cache_modifier=".cg")
+    tl.store(buf_ptr + p, x)
+
+
 def chain(bufs, stages, programs, pdl):
     for s in range(stages):
         _hop_kernel[(programs,)](bufs[s % 2], bufs[(s + 1) % 2], **(pdl_launch(dev) if pdl else {}))
@@ -104,15 +126,8 @@ def positions(kk, n, order="sorted"):
     return (idx.sort(-1).values if order == "sorted" else idx).to(torch.int32)
 
 
-def main():
-    table = []
-    copy = copy_bandwidth_gbps(dev)
-
-    def report(name, nbytes, us):
-        table.append((name, us, nbytes / us / 1e3))
-        print(f"{name}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}% of copy)",
-              flush=True)  # fmt: skip
-
+def bytes_ceiling(report):
+    """The step's bytes: the codes stream, the K/V gathers, the attention, both streams together."""
     codes = [torch.randint(-2**31, 2**31 - 1, (ROWS * N, 4), device=dev, dtype=torch.int32, generator=gen)
              for _ in range(SETS)]  # fmt: skip
     sink = torch.empty(1 << 16, device=dev, dtype=torch.float32)
@@ -199,6 +214,11 @@ def main():
         "stream codes and gather K+V concurrently (two streams)", code_bytes + kv_bytes, graph_us(both, SETS)
     )
 
+    return best_stream, cfg
+
+
+def launch_floor(table):
+    """The 32K x B1 step's latency: dependent launches and grid barriers."""
     # the 32K x B1 step is six dependent launches: what does a chain of empty ones cost?
     bufs = [torch.zeros(SMS, device=dev, dtype=torch.int32) for _ in range(2)]
     for stages in (1, 6):
@@ -210,15 +230,41 @@ def main():
                 )
                 print(table[-1], flush=True)
 
+    ctr = torch.zeros(1, device=dev, dtype=torch.int32)
+    for barriers in (0, 1, 3, 5):
+        t = graph_us(
+            lambda i, n=barriers: _barrier_kernel[(SMS,)](ctr, bufs[0], BARRIERS=n, **pdl_launch(dev)), SETS
+        )
+        table.append((f"one launch of {SMS} programs with {barriers} grid barriers", t, 0.0))
+        print(table[-1], flush=True)
+
+
+def main():
+    table = []
+    copy = copy_bandwidth_gbps(dev)
+
+    def report(name, nbytes, us):
+        table.append((name, us, nbytes / us / 1e3))
+        print(f"{name}: {us:.1f} us, {nbytes / us / 1e3:.0f} GB/s ({100 * nbytes / us / 1e3 / copy:.0f}% of copy)",
+              flush=True)  # fmt: skip
+
+    best_stream = cfg = None
+    if "bytes" in SECTIONS:
+        best_stream, cfg = bytes_ceiling(report)
+    if "launches" in SECTIONS:
+        launch_floor(table)
+
     print(f"\n{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}; "
           f"copy {copy:.0f} GB/s (read + write)")  # fmt: skip
-    print(f"best stream {best_stream[0]}, best gather {cfg}")
-
-    def best_of(prefix):
-        return min((row for row in table if row[0].startswith(prefix)), key=lambda row: row[1])
-
     sweeps = ("stream codes 134 MB", "gather K+V 256 B rows sorted, block")
-    keep = [best_of(sweeps[0]), best_of(sweeps[1])] + [row for row in table if not row[0].startswith(sweeps)]
+    keep = [row for row in table if not row[0].startswith(sweeps)]
+    if best_stream is not None:
+        print(f"best stream {best_stream[0]}, best gather {cfg}")
+        best = [
+            min((row for row in table if row[0].startswith(prefix)), key=lambda row: row[1])
+            for prefix in sweeps
+        ]
+        keep = best + keep
     for name, us, gbps in keep:
         rate = f"{gbps:6.0f} GB/s {100 * gbps / copy:4.0f}%" if gbps else ""
         print(f"{name[:78]:78s} {us:8.1f} us {rate}")
