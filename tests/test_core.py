@@ -257,6 +257,31 @@ def test_cli_bad_input_is_one_line(args, message):
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["generate", "--no-such-option"], "No such option"),  # typer's own usage errors: no traceback either
+        (["bench", "attention", "--context", "0"], "context must be >= 1"),
+        (["bench", "attention", "--method", "nope"], "method must be one of lsh, spotlight"),
+        (["bench", "kernels", "--shape", "nope"], "unknown shape 'nope'"),
+        (["bench", "kernels", "--budget", "2.5"], "whole number"),
+    ],
+)
+def test_cli_bad_command_line_is_one_line(args, message):
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert message in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the benchmark runs")
+def test_cli_bench_without_a_gpu_says_so():
+    result = run_cli("bench", "attention")
+    assert result.returncode == 2
+    assert "need a CUDA GPU" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
 # ---------------------------------------------------------------- shared mechanics
 
 

@@ -259,14 +259,15 @@ def main() -> None:
         console.print(f"error: {error}", style="bold red", markup=False)
         sys.exit(2)
     except Exception as error:
-        from click.exceptions import Abort, ClickException, Exit
-
-        if isinstance(error, Exit):
+        # by class name: recent typer releases raise the exceptions of a click copy of their own, not the click
+        # package's
+        kinds = {cls.__name__ for cls in type(error).__mro__}
+        if "Exit" in kinds:
             sys.exit(error.exit_code)
-        if isinstance(error, ClickException):
+        if "ClickException" in kinds:
             error.show()
             sys.exit(error.exit_code)
-        if isinstance(error, Abort):
+        if "Abort" in kinds:
             sys.exit(130)
         if type(error).__name__ in ("AssetError", "ModelLoadError"):
             console.print(f"error: {error}", style="bold red", markup=False)

@@ -8,13 +8,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparsekv.bench.common import SHAPES, Row, copy_bandwidth_gbps, device_name, graph_us, require_cuda
+from sparsekv.bench.common import (
+    SHAPES,
+    Row,
+    budget_tokens,
+    check_bench_args,
+    copy_bandwidth_gbps,
+    device_name,
+    graph_us,
+    require_cuda,
+)
+from sparsekv.config import ConfigError
 
 METHOD_BITS = {"spotlight": 128, "lsh": 1024}
-
-
-def _budget_tokens(budget: float, context: int) -> int:
-    return max(1, int(budget * context) if budget < 1 else int(budget))
 
 
 def _hash_query(q: torch.Tensor, hash_args: tuple) -> torch.Tensor:
@@ -38,12 +44,13 @@ def run_attention(
     from sparsekv.kernels.sparse_attention import sparse_attention
 
     if method not in METHOD_BITS:
-        raise ValueError(f"method must be one of {sorted(METHOD_BITS)}, got {method!r}")
+        raise ConfigError(f"method must be one of {', '.join(sorted(METHOD_BITS))}, got {method!r}")
+    check_bench_args(batch, context, budget, shape)
     dev = require_cuda()
     hq, hkv, d = SHAPES[shape]
     bits = METHOD_BITS[method]
     words = bits // 32
-    k = _budget_tokens(budget, context)
+    k = budget_tokens(budget, context)
     dt = torch.bfloat16
     kv_bytes = 2 * batch * hkv * context * d * 2
     if layers is None:

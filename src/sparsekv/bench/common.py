@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sparsekv.config import ConfigError
+
 SHAPES = {
     # name: (query heads, kv heads, head dim)
     "llama3-8b": (32, 8, 128),
@@ -37,8 +39,29 @@ class Row:
 
 def require_cuda() -> torch.device:
     if not torch.cuda.is_available():
-        raise RuntimeError("the benchmarks need a CUDA GPU (and triton)")
+        raise ConfigError("the benchmarks need a CUDA GPU (and triton); this machine has none")
     return torch.device("cuda")
+
+
+def budget_tokens(budget: float, context: int) -> int:
+    """A budget given as a fraction (< 1) of the context or as a token count, in tokens."""
+    return max(1, int(budget * context) if budget < 1 else int(budget))
+
+
+def check_bench_args(batch: int, context: int, budget: float, shape: str) -> None:
+    """The kernel benchmarks' shared arguments, checked before anything is allocated."""
+    if batch < 1:
+        raise ConfigError(f"batch must be >= 1, got {batch}")
+    if context < 1:
+        raise ConfigError(f"context must be >= 1 token, got {context}")
+    if not budget > 0:
+        raise ConfigError(f"budget must be a fraction in (0, 1) or a token count >= 1, got {budget}")
+    if budget >= 1 and budget != int(budget):
+        raise ConfigError(f"a budget of tokens must be a whole number, got {budget}")
+    if budget >= 1 and budget > context:
+        raise ConfigError(f"budget {int(budget)} tokens exceeds the context of {context}")
+    if shape not in SHAPES:
+        raise ConfigError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
 
 
 def median_us(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -> float:

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from sparsekv.bench.common import (
     SHAPES,
     Row,
+    budget_tokens,
+    check_bench_args,
     copy_bandwidth_gbps,
     device_name,
     graph_us,
@@ -23,11 +25,12 @@ def run_kernels(
     from sparsekv.kernels import _topk_triton as tk
     from sparsekv.kernels.sparse_attention import sparse_attention
 
+    check_bench_args(batch, context, budget, shape)
     dev = require_cuda()
     hq, hkv, d = SHAPES[shape]
     g = hq // hkv
     n = context
-    k = max(1, int(budget * n) if budget < 1 else int(budget))
+    k = budget_tokens(budget, n)
     bits, words = 128, 4
     rows_kv = batch * hkv
     out: list[Row] = []
