@@ -205,6 +205,37 @@ def test_run_e2e_gemfilter_needs_model_prefill():
         run_e2e("tiny-llama", context=32, batch=1, method="gemfilter", prefill="synthetic", device="cpu")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"context": 0}, "context must be >= 1"),
+        ({"batch": 0}, "batch must be >= 1"),
+        ({"new_tokens": 0}, "new_tokens must be >= 1"),
+        ({"layers": 0}, "layers must be >= 1"),
+        ({"method": "nope"}, "unknown method 'nope'"),
+    ],
+)
+def test_run_e2e_rejects_bad_arguments_before_building(kwargs, message, monkeypatch):
+    from sparsekv.bench import e2e
+    from sparsekv.config import ConfigError
+
+    monkeypatch.setattr(e2e, "build_model", lambda *a, **k: pytest.fail("built a model for bad arguments"))
+    with pytest.raises(ConfigError, match=message):
+        run_e2e("tiny-llama", **{"context": 32, "batch": 1, "device": "cpu", **kwargs})
+
+
+def test_run_e2e_refuses_a_model_larger_than_free_memory(monkeypatch):
+    """llama3-8b in float32 on a CPU: an error naming the sizes, not the out-of-memory killer."""
+    from sparsekv.bench import e2e
+    from sparsekv.config import ConfigError
+
+    monkeypatch.setattr(e2e, "_available_bytes", lambda device: 8 * 2**30)
+    with pytest.raises(ConfigError, match=r"needs about 32\.1 GB of weights .* 8\.6 GB free"):
+        run_e2e("llama3-8b-random", context=64, batch=1, device="cpu")
+    result = run_e2e("tiny-llama", context=32, batch=1, new_tokens=1, warmup=0, device="cpu")  # fits: runs
+    assert result["runs"]["method"]["tpot_ms"] > 0
+
+
 @pytest.mark.parametrize("weights", ["random", "real"])
 def test_greedy_match_harness_cpu(weights):
     """The harness end to end (CPU against CPU); "real": the embedded model and text prompts."""

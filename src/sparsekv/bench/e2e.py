@@ -58,6 +58,42 @@ def build_model(name: str, *, layers: int | None = None, dtype=torch.bfloat16, d
     return random_model(shape, dtype=dtype, device=device, seed=seed, **overrides)
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    """Memory a run can still take: free GPU memory, or the kernel's MemAvailable on Linux (None elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(name: str, *, layers: int | None, dtype: torch.dtype, device: torch.device, batch: int,
+               context: int) -> None:  # fmt: skip
+    """Refuse, before allocating, a model whose weights and dense KV cache exceed the device's free memory: an 8B
+    model in float32 on a laptop would otherwise end in the out-of-memory killer, not in an error message."""
+    available = _available_bytes(device)
+    if available is None:
+        return
+    meta = build_model(name, layers=layers, dtype=dtype, device="meta")
+    cfg = meta.config
+    size = torch.tensor([], dtype=dtype).element_size()
+    weights = sum(p.numel() for p in meta.parameters()) * size
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = 2 * cfg.num_hidden_layers * batch * context * cfg.num_key_value_heads * head_dim * size
+    if weights + cache > available:
+        raise ConfigError(
+            f"{name} with {cfg.num_hidden_layers} layers needs about {weights / 1e9:.1f} GB of weights and "
+            f"{cache / 1e9:.1f} GB of dense KV cache ({str(dtype).replace('torch.', '')}) for context {context} x "
+            f"batch {batch}, but {device.type} has {available / 1e9:.1f} GB free: use a smaller --model (e.g. "
+            f"default), fewer --layers, a shorter --context or --batch, or a GPU"
+        )
+
+
 def parse_layers(text: str | None) -> tuple[int, ...]:
     """'none' / '' -> (); '0,1' -> (0, 1)."""
     if text is None or text.strip().lower() in ("", "none"):
@@ -412,6 +448,10 @@ def run_e2e(
 ) -> dict:
     """Dense and `method` on the same model and inputs; see the module docstring. Returns a JSON-able dict.
     `compile`: decode steps (of both) run through `compiled_forward`."""
+    for what, value, least in (("context", context, 1), ("batch", batch, 1), ("new_tokens", new_tokens, 1),
+                               ("warmup", warmup, 0), ("layers", 1 if layers is None else layers, 1)):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{what} must be >= {least}, got {value}")
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if prefill == "auto":
@@ -421,6 +461,12 @@ def run_e2e(
         raise ConfigError(f"prefill must be auto, model or synthetic, got {prefill!r}")
     if method == "gemfilter" and prefill != "model":
         raise ConfigError("gemfilter filters the prompt: it needs --prefill model")
+    dense_cfg = SparseConfig(method="dense")
+    method_cfg = SparseConfig(
+        method=method, budget=budget, top_p=top_p, dense_layers=dense_layers, options=options or {}
+    )
+    if model_obj is None:
+        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
     net = (
         model_obj
         if model_obj is not None
@@ -428,10 +474,6 @@ def run_e2e(
     )
     num_layers = net.config.num_hidden_layers
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
-    dense_cfg = SparseConfig(method="dense")
-    method_cfg = SparseConfig(
-        method=method, budget=budget, top_p=top_p, dense_layers=dense_layers, options=options or {}
-    )
     setup = Setup(batch, context, new_tokens, warmup, prefill, cuda_graph, seed, profile=profile,
                   compile=compile)  # fmt: skip
     runs = {"dense": run_one(net, dense_cfg, setup), "method": run_one(net, method_cfg, setup)}
