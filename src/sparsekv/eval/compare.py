@@ -88,6 +88,9 @@ def run_compare(
     known = set(available_methods())
     missing = [m for m in methods if m not in known]
     present = [m for m in methods if m in known]
+    if not present:  # nothing would run: an empty table is not a result
+        raise ConfigError(f"no method to compare: {', '.join(missing)} not registered; known: "
+                          f"{', '.join(sorted(known))}")  # fmt: skip
     shared, scoped = split_options(options or {})
     base = dict(base or {})
     spec = TASK_SPECS[task]
