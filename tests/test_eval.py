@@ -212,12 +212,12 @@ def test_run_compare_runs_dense_once_reports_missing_and_survives_failures():
     assert len(errors) == 1 and errors[0]["error"] == "RuntimeError: boom"
 
 
-
 def test_run_compare_with_no_known_method_is_an_error():
     from sparsekv.eval.compare import run_compare
 
     with pytest.raises(ConfigError, match="no method to compare: nope not registered; known: .*dense"):
         run_compare("ppl", lambda config: pytest.fail("ran a cell"), ["nope"], [0.02])
+
 
 # ---------------------------------------------------------------------------------------------------- cache, CLI parsing
 
