@@ -153,8 +153,7 @@ def prefill_one(
         out = model(
             input_ids=input_ids,
             attention_mask=mask,
-            past_key_values=DynamicCache(config=model.config),
-            use_cache=True,
+            use_cache=False,
             logits_to_keep=1,
         )
         return int(out.logits[0, -1].argmax())

@@ -23,6 +23,7 @@ import torch
 
 from sparsekv import SparseConfig
 from sparsekv.cache import SparseCache
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.selectors.spotlight import DEFAULT_CHECKPOINT, LayerHash, load_checkpoint
 from sparsekv.training.capture import capture_qk, haystack_split, token_windows
 from sparsekv.training.metrics import layer_iou, query_positions
@@ -47,10 +48,10 @@ def perplexity(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chun
     cache = SparseCache.for_model(model, config)
     nll, count = 0.0, 0
     with sparsekv.enabled(model, config):
-        model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True)
         for lo in range(prefix, ids.shape[1] - 1, chunk):
             hi = min(lo + chunk, ids.shape[1] - 1)
-            logits = model(input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True).logits.float()
+            logits = model(input_ids=ids[:, lo:hi], **cache_kwargs(model, cache), use_cache=True).logits.float()
             nll += float(torch.nn.functional.cross_entropy(logits[0], ids[0, lo + 1 : hi + 1], reduction="sum"))
             count += hi - lo
     stats = cache.stats.summary()

@@ -38,6 +38,7 @@ import torch
 import sparsekv
 from sparsekv import SparseConfig
 from sparsekv.cache import SparseCache
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.selectors.spotlight import DEFAULT_CHECKPOINT, SpotlightSelector, read_header
 from sparsekv.training.capture import haystack_split, token_windows
 
@@ -109,13 +110,13 @@ def run(
     t0 = time.perf_counter()
     generated = []
     with Recorder() as rec, sparsekv.enabled(model, config):
-        logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        logits = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         for i in range(steps):
             if feed is not None:
                 token = feed[:, i : i + 1]
             generated.append(int(token[0, 0]))
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits
             token = logits[:, -1].argmax(-1, keepdim=True)
     return rec, generated, time.perf_counter() - t0
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import sparsekv
 from sparsekv import SparseCache, SparseConfig
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.pruners.top_p import TopPPruner, budget_report, compact
 from sparsekv.selectors.base import DecodeStep, Selection, to_selection_heads
 from sparsekv.selectors.lsh import unique_ranks
@@ -166,13 +167,13 @@ def window_nll(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chun
     nll = 0.0
     start = time.perf_counter()
     with sparsekv.enabled(model, config):
-        out = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         nll += float(
             F.cross_entropy(out.logits[0, -1:].float(), ids[0, prefix : prefix + 1], reduction="sum")
         )
         for lo in range(prefix, total - 1, chunk):
             hi = min(lo + chunk, total - 1)
-            logits = model(input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True).logits[0].float()
+            logits = model(input_ids=ids[:, lo:hi], **cache_kwargs(model, cache), use_cache=True).logits[0].float()
             nll += float(F.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="sum"))
     return nll, total - prefix, time.perf_counter() - start, cache
 

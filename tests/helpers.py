@@ -6,6 +6,8 @@ import torch
 
 import sparsekv
 from sparsekv.cache import SparseCache
+from sparsekv.registry import get_method_class
+from sparsekv.hf_compat import cache_kwargs
 
 
 class Recorder:
@@ -35,7 +37,9 @@ def run_chunks(model, config, input_ids, prefix: int, chunk: int, attention_mask
     cache = SparseCache.for_model(model, config)
     recorder = Recorder(cache)
     logits = []
-    with sparsekv.enabled(model, config):
+    # a prompt-rewriting method (gemfilter) decodes densely: fed as if its filter had run, it joins the matrices
+    filtered = get_method_class(config.method).rewrites_prompt
+    with sparsekv.enabled(model, config, prompt_filtered=filtered):
         bounds = [0, prefix, *range(prefix + chunk, input_ids.shape[1], chunk), input_ids.shape[1]]
         bounds = sorted(set(bounds))
         for lo, hi in zip(bounds[:-1], bounds[1:]):
@@ -44,7 +48,7 @@ def run_chunks(model, config, input_ids, prefix: int, chunk: int, attention_mask
             if attention_mask is not None:
                 position_ids = (attention_mask[:, :hi].cumsum(-1) - 1).clamp(min=0)[:, lo:hi]
             out = model(input_ids=input_ids[:, lo:hi], attention_mask=mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True)
+                        **cache_kwargs(model, cache), use_cache=True)
             if lo >= prefix:
                 logits.append(out.logits)
     return torch.cat(logits, dim=1), recorder

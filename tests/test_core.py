@@ -11,6 +11,7 @@ import torch
 
 import sparsekv
 from sparsekv import ConfigError, SparseCache, SparseConfig
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.models import chat_prompt
 from tests.helpers import run_chunks
 
@@ -83,6 +84,10 @@ def test_budget_covering_context_reproduces_dense_logits_on_real_model(real_mode
     if getattr(get_method_class(method), "lossy", False):
         pytest.skip(f"{method} stores a lossy cache")
     model, tokenizer = real_model
+    if get_method_class(method).rewrites_prompt:  # runs only where the prompt is filtered first
+        with pytest.raises(ConfigError, match=r"model\.generate\(\) cannot do: use sparsekv\.generate"):
+            sparsekv.enable(model, SparseConfig(method=method))
+        return
     ids = real_ids(tokenizer, "", 160)
     dense, _ = run_chunks(model, SparseConfig(method="dense"), ids, 128, chunk=16)
     exact = {"top_p": 1.0} if get_method_class(method).consumes_top_p else {}
@@ -142,6 +147,8 @@ def test_plain_generate_uses_a_sparse_cache_and_disable_restores(real_model):
     reference = model.generate(ids, max_new_tokens=6, do_sample=False)
     sparsekv.enable(model, SparseConfig(method="oracle-topk", budget=0.1))
     try:
+        assert "generate" in vars(model)  # the instance's generate learns the prompt length; the class is untouched
+        assert type(model).generate is not vars(model)["generate"]
         sparse = model.generate(ids, max_new_tokens=6, do_sample=False)
         cache = sparsekv.last_cache(model)
         assert isinstance(cache, SparseCache)
@@ -151,8 +158,94 @@ def test_plain_generate_uses_a_sparse_cache_and_disable_restores(real_model):
     finally:
         sparsekv.disable(model)
     assert model.config._attn_implementation == "sdpa"
+    assert "generate" not in vars(model)
     assert sparse.shape == reference.shape
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference)
+
+
+@pytest.fixture
+def transformers_log():
+    """What transformers logs during a test (its loggers do not propagate to pytest's caplog)."""
+    import io
+    import logging
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    yield stream
+    logger.removeHandler(handler)
+
+
+@pytest.mark.parametrize("method", ["oracle-topk", "lsh"])
+def test_generate_on_a_1k_prompt_decodes_sparsely_without_deprecations(real_model, method, transformers_log):
+    import warnings
+
+    model, tokenizer = real_model
+    ids = real_ids(tokenizer, "", 1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        with sparsekv.enabled(model, SparseConfig(method=method, budget=0.05)):
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+            summary = sparsekv.last_cache(model).stats.summary()
+    assert summary["avg_budget_fraction"] < 0.5
+    assert summary["avg_context_tokens"] > 1024
+    assert "ignoring" not in transformers_log.getvalue() and "deprecated" not in transformers_log.getvalue()
+
+
+def test_a_model_that_bypasses_the_sparse_cache_is_an_error(real_model):
+    """What a transformers release that ignores the cache handed to the model would do: never a silent dense
+    decode."""
+    from transformers import DynamicCache
+
+    from sparsekv.attention import CacheBypassedError
+    from sparsekv.hf_compat import cache_argument
+
+    model, tokenizer = real_model
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    name = cache_argument(model)
+
+    def swap_for_a_dynamic_cache(_module, args, kwargs):
+        kwargs[name] = DynamicCache(config=model.config)
+        return args, kwargs
+
+    with sparsekv.enabled(model, SparseConfig(method="oracle-topk")):
+        hook = model.register_forward_pre_hook(swap_for_a_dynamic_cache, with_kwargs=True)  # runs after ours
+        try:
+            with pytest.raises(CacheBypassedError, match="not the SparseCache"):
+                model.generate(ids, max_new_tokens=2, do_sample=False)
+        finally:
+            hook.remove()
+
+
+@pytest.mark.parametrize("version, supported", [("5.17.0", True), ("5.24.0", True), ("5.24.3", True),
+                                                ("5.16.1", False), ("5.25.0", False), ("6.0.0", False)])
+def test_transformers_outside_the_tested_range_is_refused(version, supported, monkeypatch):
+    from sparsekv.hf_compat import ALLOW_UNTESTED_ENV, check_transformers_version
+
+    monkeypatch.delenv(ALLOW_UNTESTED_ENV, raising=False)
+    if supported:
+        check_transformers_version(version)
+        return
+    with pytest.raises(ConfigError, match=r"supports transformers 5\.17\.0 to 5\.24\.x"):
+        check_transformers_version(version)
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    check_transformers_version(version)
+
+
+def test_installed_transformers_is_within_the_pin():
+    """pyproject's pin and the tested range say the same."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from sparsekv.hf_compat import TESTED_TRANSFORMERS
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("transformers"))
+    low, high = TESTED_TRANSFORMERS
+    major, minor = (int(x) for x in high.split(".")[:2])
+    assert re.sub(r"\s", "", pin) == f"transformers>={low},<{major}.{minor + 1}"
 
 
 def test_bfloat16_on_cpu(real_model):
@@ -171,10 +264,10 @@ def test_non_empty_foreign_cache_is_rejected(real_model):
     model, tokenizer = real_model
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     cache = DynamicCache(config=model.config)
-    model(ids, past_key_values=cache, use_cache=True)
+    model(ids, **cache_kwargs(model, cache), use_cache=True)
     with sparsekv.enabled(model, SparseConfig(method="oracle-topk")):
         with pytest.raises(ConfigError, match="non-empty DynamicCache"):
-            model(ids[:, -1:], past_key_values=cache, use_cache=True)
+            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
 
 
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama-mha"])
@@ -221,6 +314,7 @@ def test_cli_demo_compares_answers_and_cache_bytes(tmp_path, real_model):
     assert set(payload) == {"dense", "self-index"}
     assert 0 < payload["self-index"]["cache_bytes"] < 0.4 * payload["dense"]["cache_bytes"]
     assert "KV cache" in result.stdout and ("same answer" in result.stdout or "answers differ" in result.stdout)
+    assert "deprecat" not in (result.stdout + result.stderr).lower()
 
 
 def test_cache_memory_counts_buffer_capacity_or_only_the_tokens_held(real_model):
@@ -231,8 +325,8 @@ def test_cache_memory_counts_buffer_capacity_or_only_the_tokens_held(real_model)
     cache = SparseCache.for_model(model, config)
     ids = torch.arange(100, 400)[None]
     with torch.inference_mode(), sparsekv.enabled(model, config):
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
-        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # 301 tokens: the buffers double
+        model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
+        model(input_ids=ids[:, :1], **cache_kwargs(model, cache), use_cache=True)  # 301 tokens: the buffers double
     cfg = model.config
     per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
     assert cache_memory(cache, capacity=False)["bytes_total"] == 301 * per_token

@@ -17,8 +17,9 @@ import torch
 
 from sparsekv import SparseConfig
 from sparsekv.attention import forced_tokens, step_hints, token_budgets
-from sparsekv.bench.e2e import greedy_match, run_e2e, synthetic_fill
+from sparsekv.bench.e2e import COMPILE_RECOMPILE_LIMIT, greedy_match, run_e2e, synthetic_fill
 from sparsekv.cache import SparseCache
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.selectors.base import (
     DecodeStep,
     LayerInfo,
@@ -320,7 +321,7 @@ def test_compiled_decode_matches_eager(method):
             for i in range(steps):
                 pos = torch.full((2, 1), 64 + i)
                 with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, error_on_recompile=i >= 3):
-                    logits = forward(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True).logits
+                    logits = forward(input_ids=tok, position_ids=pos, **cache_kwargs(model, cache), use_cache=True).logits
                 tok = logits[:, -1:].argmax(-1)
                 tokens.append(tok.flatten().tolist())
             kept = cache.stats.summary()["avg_budget_fraction"]
@@ -349,6 +350,8 @@ def test_model_compile_then_generate_stays_sparse():
 
     eager, kept_eager = run()
     model.compile(backend="aot_eager")
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, fail_on_recompile_limit_hit=True):
+    # recompile_limit: see the README's recipe (transformers' argument-renaming wrapper, one entry per forward)
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, fail_on_recompile_limit_hit=True,
+                                    recompile_limit=COMPILE_RECOMPILE_LIMIT):
         compiled, kept = run()
     assert torch.equal(compiled, eager) and kept == kept_eager < 0.5

@@ -5,6 +5,8 @@ Runs on tiny random models in float64 so that equalities are exact up to roundin
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -119,3 +121,94 @@ def test_deterministic(tiny_gqa, method):
     second, rec_b = run_chunks(tiny_gqa, config, ids, PREFIX, chunk=8)
     assert torch.equal(first, second)
     assert all(torch.equal(a[1], b[1]) for a, b in zip(rec_a.calls, rec_b.calls))
+
+
+# ------------------------------------------------------------- model.generate(): the user's path
+
+
+def generate(model, config: SparseConfig | None, ids, mask=None, new: int = 6, **kwargs):
+    """Greedy `model.generate` (under sparsekv when `config` is given) -> (tokens [B, new], logits [B, new, V],
+    the SparseCache used)."""
+    import sparsekv
+
+    def run():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, return_dict_in_generate=True, output_logits=True, **kwargs)
+        return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1)
+
+    if config is None:
+        return (*run(), None)
+    with sparsekv.enabled(model, config):
+        tokens, logits = run()
+        return tokens, logits, sparsekv.last_cache(model)
+
+
+def left_padded(model, lengths: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    rows = []
+    for row, length in enumerate(lengths):
+        seq = random_ids(model, 1, length, seed=seed + row)
+        ids[row, width - length :], mask[row, width - length :] = seq[0], 1
+        rows.append(seq)
+    return ids, mask, rows
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_generate_decodes_with_the_sparse_cache(tiny_gqa, method, caplog):
+    """The test that fails when model.generate() does not use the SparseCache (e.g. a transformers release that
+    passes the cache under another name): the stats must show sparse steps keeping fewer tokens than they see."""
+    import sparsekv
+    from sparsekv.config import ConfigError
+
+    config = make_config(method, budget=0.25)
+    ids = random_ids(tiny_gqa, 2, 48, seed=5)
+    if get_method_class(method).rewrites_prompt:
+        with pytest.raises(ConfigError, match="rewrites the prompt"):
+            sparsekv.enable(tiny_gqa, config)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # transformers' deprecations (e.g. of past_key_values)
+        tokens, logits, cache = generate(tiny_gqa, config, ids)
+    assert "ignoring" not in caplog.text and "deprecated" not in caplog.text
+    assert tokens.shape == (2, 6) and torch.isfinite(logits).all()
+    assert isinstance(cache, sparsekv.SparseCache)
+    summary = cache.stats.summary()
+    if get_method_class(method).dense:
+        assert summary["avg_budget_tokens"] is None
+        return
+    sparse_layers = [i for i in range(tiny_gqa.config.num_hidden_layers) if i not in config.dense_layers]
+    assert sorted(summary["per_layer_avg_tokens"]) == sparse_layers
+    kept, _ = cache.stats.layer_counts(sparse_layers[0])
+    assert len(kept) == 2 * 5 * tiny_gqa.config.num_key_value_heads  # rows x decode steps x kv heads
+    assert summary["avg_budget_tokens"] < summary["avg_context_tokens"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("prompt, chunk", [(45, 16), (49, 16)])  # the last chunk: 13 tokens, then a single one
+def test_chunked_prefill_gives_the_unchunked_tokens(tiny_gqa, method, prompt, chunk):
+    if get_method_class(method).rewrites_prompt:
+        pytest.skip("refused under model.generate (test above)")
+    config = make_config(method, budget=0.25)
+    ids = random_ids(tiny_gqa, 2, prompt, seed=6)
+    whole, whole_logits, whole_cache = generate(tiny_gqa, config, ids)
+    chunked, chunked_logits, chunked_cache = generate(tiny_gqa, config, ids, prefill_chunk_size=chunk)
+    assert torch.equal(chunked, whole)
+    torch.testing.assert_close(chunked_logits, whole_logits, rtol=0, atol=1e-9)
+    assert chunked_cache.stats.summary() == whole_cache.stats.summary()
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dense_layers", [(), (0,)])
+def test_generate_decodes_each_padded_row_as_alone(tiny_gqa, method, dense_layers):
+    if get_method_class(method).rewrites_prompt:
+        pytest.skip("refused under model.generate (test above)")
+    config = make_config(method, budget=0.3, dense_layers=dense_layers)
+    ids, mask, rows = left_padded(tiny_gqa, (37, 22), seed=20)
+    batched, batched_logits, _ = generate(tiny_gqa, config, ids, mask)
+    assert torch.isfinite(batched_logits).all()
+    for row, seq in enumerate(rows):
+        alone, alone_logits, _ = generate(tiny_gqa, config, seq)
+        assert torch.equal(batched[row], alone[0]), f"row {row} decodes differently in the padded batch"
+        torch.testing.assert_close(batched_logits[row], alone_logits[0], rtol=0, atol=1e-8)

@@ -11,6 +11,7 @@ import torch
 
 from sparsekv import SparseConfig
 from sparsekv.config import ConfigError
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.selectors.base import LayerInfo
@@ -648,8 +649,8 @@ def test_cache_memory_report_on_a_model(tiny):
     import sparsekv
 
     with torch.inference_mode(), sparsekv.enabled(tiny, config):
-        tiny(input_ids=ids, past_key_values=cache, use_cache=True)
-        tiny(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+        tiny(input_ids=ids, **cache_kwargs(tiny, cache), use_cache=True)
+        tiny(input_ids=ids[:, :1], **cache_kwargs(tiny, cache), use_cache=True)
     report = cache_memory(cache)
     assert report["tokens"] == 301 and report["compressed_layers"] == 2
     assert 0 < report["ratio_vs_bf16"] < 0.6  # head_dim 32 and 300 tokens: fixed parts weigh more than at 4K

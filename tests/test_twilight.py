@@ -10,6 +10,7 @@ import torch
 
 from sparsekv import SparseConfig
 from sparsekv.config import ConfigError
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.pruners.top_p import (
     TopPPruner,
     budget_report,
@@ -276,8 +277,8 @@ def test_twilight_method_prunes_below_its_candidates_and_reports_budgets(tiny):
     import sparsekv
 
     with sparsekv.enabled(tiny, config), torch.inference_mode():
-        tiny(input_ids=ids[:, :32], past_key_values=cache, use_cache=True)
-        tiny(input_ids=ids[:, 32:], past_key_values=cache, use_cache=True)
+        tiny(input_ids=ids[:, :32], **cache_kwargs(tiny, cache), use_cache=True)
+        tiny(input_ids=ids[:, 32:], **cache_kwargs(tiny, cache), use_cache=True)
     report = budget_report(cache)
     layers = [i for i in range(tiny.config.num_hidden_layers) if i != 0]
     assert sorted(report["layers"]) == layers

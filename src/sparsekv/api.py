@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from transformers.cache_utils import Cache
 from sparsekv.attention import ATTENTION_NAME, RUNTIME_ATTR, SparseRuntime, register
 from sparsekv.cache import SparseCache, cache_memory, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, cache_kwargs, check_transformers_version
 from sparsekv.registry import get_method_class
 
 _STATE_ATTR = "_sparsekv_enabled"
@@ -22,7 +24,7 @@ _STATE_ATTR = "_sparsekv_enabled"
 class _EnabledState:
     runtime: SparseRuntime
     previous_attention: str
-    hook: torch.utils.hooks.RemovableHandle
+    hooks: list[torch.utils.hooks.RemovableHandle]
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
@@ -32,17 +34,39 @@ def _attention_modules(model) -> list[torch.nn.Module]:
     return modules
 
 
-def enable(model, config: SparseConfig) -> SparseRuntime:
+def _prompt_length(args: tuple, kwargs: dict) -> int | None:
+    """Tokens of the prompt a `model.generate(...)` call was given (None when it cannot be told)."""
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if not isinstance(prompt, torch.Tensor) and kwargs.get("inputs_embeds") is not None:
+        return kwargs["inputs_embeds"].shape[1]
+    return prompt.shape[-1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1 else None
+
+
+def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> SparseRuntime:
     """Makes `model` decode with `config`; `model.generate()` and plain forwards then use a SparseCache.
 
-    The prefill stays dense; every later forward (decode steps or chunks of new tokens) attends sparsely.
+    The prompt is attended densely, whether it comes in one forward or in chunks (`model.generate(...,
+    prefill_chunk_size=N)`); the decode steps after it attend sparsely. In a loop of plain forwards the first forward
+    is the prompt and every later one (one token, or a chunk of new tokens as in evaluation) attends sparsely.
     Calling enable again replaces the config. Undo with `disable(model)`.
+
+    Methods that rewrite the prompt before decoding (gemfilter) cannot run inside `model.generate()`: they are
+    refused unless `prompt_filtered=True` says that the caller already ran the method's `filter_prompt` on its
+    inputs (as `sparsekv.generate` does).
     """
     if not isinstance(config, SparseConfig):
         raise ConfigError(f"enable() needs a SparseConfig, got {type(config).__name__}")
+    check_transformers_version()
+    method = get_method_class(config.method)
+    if method.rewrites_prompt and not prompt_filtered:
+        raise ConfigError(
+            f"{config.method} rewrites the prompt before decoding, which model.generate() cannot do: use "
+            f"sparsekv.generate(model, tokenizer, prompts, config) or `sparsekv generate --method {config.method}`"
+        )
     infos = layer_infos(model)
     config.check_model(len(infos))
-    get_method_class(config.method).check_model(model, config)
+    method.check_model(model, config)
+    cache_name = cache_argument(model)
     if getattr(model, _STATE_ATTR, None) is not None:
         disable(model)
     register()
@@ -51,25 +75,50 @@ def enable(model, config: SparseConfig) -> SparseRuntime:
         setattr(module, RUNTIME_ATTR, runtime)
 
     def swap_in_sparse_cache(_module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        for alias in CACHE_ARGUMENTS:  # a cache passed under the release's other name counts as this one
+            if alias != cache_name and alias in kwargs and kwargs.get(cache_name) is None:
+                kwargs[cache_name] = kwargs.pop(alias)
+        cache = kwargs.get(cache_name)
+        runtime.in_forward = True
         if kwargs.get("use_cache") is False and cache is None:
             runtime.cache = None
-            return None
+            return args, kwargs
         if not isinstance(cache, SparseCache):
             if isinstance(cache, Cache) and cache.get_seq_length() > 0:
                 raise ConfigError(
                     "this model has sparse decoding enabled but was given a non-empty "
                     f"{type(cache).__name__}; pass a sparsekv.SparseCache (or no cache) instead"
                 )
-            cache = SparseCache(config, infos)
-            kwargs["past_key_values"] = cache
+            cache = SparseCache(config, infos, prompt_length=runtime.prompt_length)
+            kwargs[cache_name] = cache
+        elif cache.prompt_length is None and runtime.prompt_length is not None and cache.get_seq_length() == 0:
+            cache.prompt_length = runtime.prompt_length  # an empty cache handed to generate(): its prompt
         runtime.cache = cache
         return args, kwargs
 
+    def forward_done(_module, _args, _output):
+        runtime.in_forward = False
+
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
-    hook = model.register_forward_pre_hook(swap_in_sparse_cache, with_kwargs=True)
-    setattr(model, _STATE_ATTR, _EnabledState(runtime, previous, hook))
+    hooks = [
+        model.register_forward_pre_hook(swap_in_sparse_cache, with_kwargs=True),
+        model.register_forward_hook(forward_done, always_call=True),
+    ]
+    # model.generate() on this instance learns the prompt's length, so that a prompt fed in chunks
+    # (prefill_chunk_size) is prefilled densely; the class and every other model are untouched
+    class_generate = type(model).generate
+
+    @functools.wraps(class_generate)
+    def generate_knowing_the_prompt(*args, **kwargs):
+        runtime.prompt_length = _prompt_length(args, kwargs)
+        try:
+            return class_generate(model, *args, **kwargs)
+        finally:
+            runtime.prompt_length = None
+
+    model.generate = generate_knowing_the_prompt
+    setattr(model, _STATE_ATTR, _EnabledState(runtime, previous, hooks))
     return runtime
 
 
@@ -78,7 +127,10 @@ def disable(model) -> None:
     state: _EnabledState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         return
-    state.hook.remove()
+    for hook in state.hooks:
+        hook.remove()
+    if "generate" in vars(model):
+        del model.generate
     for module in _attention_modules(model):
         if hasattr(module, RUNTIME_ATTR):
             delattr(module, RUNTIME_ATTR)
@@ -87,8 +139,9 @@ def disable(model) -> None:
 
 
 @contextlib.contextmanager
-def enabled(model, config: SparseConfig) -> Iterator[SparseRuntime]:
-    runtime = enable(model, config)
+def enabled(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Iterator[SparseRuntime]:
+    """`enable` for the duration of a `with` block."""
+    runtime = enable(model, config, prompt_filtered=prompt_filtered)
     try:
         yield runtime
     finally:
@@ -158,7 +211,7 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
-    with enabled(model, config):
+    with enabled(model, config, prompt_filtered=True):
         cache = SparseCache(config, layer_infos(model))
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
@@ -170,7 +223,7 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
+                **cache_kwargs(model, cache),
                 use_cache=True,
                 logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
             ).logits[:, -1]

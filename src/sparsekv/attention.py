@@ -16,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 
 from sparsekv.cache import SparseCache
 from sparsekv.config import SparseConfig
+from sparsekv.hf_compat import supported_range
 from sparsekv.selectors.base import DecodeStep, StepHints, host_budget
 
 ATTENTION_NAME = "sparsekv"
@@ -24,10 +25,17 @@ RUNTIME_ATTR = "_sparsekv_runtime"
 
 @dataclass
 class SparseRuntime:
-    """Per enabled model: its config and the cache of the forward pass in flight."""
+    """Per enabled model: its config, the cache of the latest forward, whether that forward is in flight, and the
+    prompt length of the `model.generate()` call in flight (None outside one)."""
 
     config: SparseConfig
     cache: SparseCache | None = None
+    in_forward: bool = False
+    prompt_length: int | None = None
+
+
+class CacheBypassedError(RuntimeError):
+    """The model attended over K/V that did not come from the SparseCache sparsekv handed it."""
 
 
 def register() -> None:
@@ -120,17 +128,25 @@ def sparse_attention_forward(
     runtime: SparseRuntime | None = getattr(module, RUNTIME_ATTR, None)
     cache = runtime.cache if runtime is not None else None
     layer = cache.layers[module.layer_idx] if cache is not None else None
+    if layer is not None and layer.selector is not None and layer.keys is not key and runtime.in_forward:
+        # the model was handed the SparseCache but attends over other K/V: decoding on would be silently dense
+        raise CacheBypassedError(
+            f"layer {module.layer_idx} attends over K/V that are not the SparseCache's: this transformers release "
+            f"passes the cache in a way sparsekv does not handle ({supported_range()} are supported)"
+        )
     if layer is None or layer.selector is None or layer.keys is not key:
-        # not ours (no cache / another cache / dense layer): plain SDPA, exactly what the model would do
+        # not ours (no cache / a forward of another module / dense layer): plain SDPA, what the model would do
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     selector, pruner = layer.selector, layer.pruner
-    new_keys, new_values = key[..., -layer.new_tokens :, :], value[..., -layer.new_tokens :, :]
-    if layer.past_length == 0:
-        selector.prefill(key, value, query, key_mask=prompt_key_mask(attention_mask, key.shape[2]))
-        if pruner is not None:
-            pruner.prefill(key, value, query)
+    if layer.prompt_open:
+        # the prompt (whole, or one of its chunks) attends densely; the selector sees it once it is complete
+        prompt_queries = layer.prompt_queries(query)
+        if cache.prompt_ends(layer):
+            layer.finish_prompt(key, value, prompt_queries, prompt_key_mask(attention_mask, key.shape[2]))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    new_keys, new_values = key[..., -layer.new_tokens :, :], value[..., -layer.new_tokens :, :]
 
     selector.append(new_keys, new_values)
     if pruner is not None:

@@ -44,18 +44,17 @@ class SparseLayer(DynamicLayer):
         self._value_buffer: torch.Tensor | None = None
         self.length = 0
         self.new_tokens = 0
-
-    @property
-    def past_length(self) -> int:
-        """Tokens cached before the latest update (0 during the prefill)."""
-        return self.length - self.new_tokens
+        #: (sparse layers) the prompt is still coming in, in one forward or in chunks: attention is dense, the K/V
+        #: stay plain, and the selector's state is built once, from the whole prompt, when it ends (`finish_prompt`)
+        self.prompt_open = True
+        self._prompt_queries: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         new = key_states.shape[-2]
         needed = self.length + new
-        if self.selector is not None and self.selector.stores_kv:
+        if self.selector is not None and self.selector.stores_kv and not self.prompt_open:
             self.length, self.new_tokens = needed, new
             self.keys, self.values = self.selector.store(key_states, value_states)
             return self.keys, self.values
@@ -71,6 +70,35 @@ class SparseLayer(DynamicLayer):
         self.keys = self._key_buffer[..., :needed, :]
         self.values = self._value_buffer[..., :needed, :]
         return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        # the layer's own count: a compressed layer hands attention a zero-width stand-in for its K/V
+        return self.length
+
+    def prompt_queries(self, query: torch.Tensor) -> torch.Tensor:
+        """Adds a prompt chunk's queries [B, Hq, Q, d] to those kept from earlier chunks and returns them: what
+        the selector's prefill reads (its `prompt_query_window` last prompt queries, or all of them)."""
+        window = self.selector.prompt_query_window() if self.selector is not None else 0
+        if self._prompt_queries is not None:
+            query = torch.cat([self._prompt_queries, query], dim=2)
+        if window is not None:
+            query = query[:, :, query.shape[2] - min(window, query.shape[2]) :]
+        self._prompt_queries = query
+        return query
+
+    def finish_prompt(
+        self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, key_mask: torch.Tensor | None
+    ) -> None:
+        """The prompt is complete: the selector (and pruner) build their state from all of its K/V and its last
+        queries (`prompt_queries`); later tokens are decoded sparsely."""
+        self.selector.prefill(keys, values, queries, key_mask=key_mask)
+        if self.pruner is not None:
+            self.pruner.prefill(keys, values, queries)
+        self.prompt_open = False
+        self._prompt_queries = None
+        if self.selector is not None and self.selector.stores_kv:
+            # the selector compressed the prompt in its prefill and keeps every later token itself
+            self._key_buffer = self._value_buffer = None
 
     def _grow(self, buffer: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
         shape = (*like.shape[:-2], capacity, like.shape[-1])
@@ -165,7 +193,13 @@ class BudgetStats:
 class SparseCache(Cache):
     """One `SparseLayer` per decoder layer; sparse layers carry a fresh selector instance."""
 
-    def __init__(self, config: SparseConfig, infos: list[LayerInfo], initial_capacity: int = 0):
+    def __init__(
+        self,
+        config: SparseConfig,
+        infos: list[LayerInfo],
+        initial_capacity: int = 0,
+        prompt_length: int | None = None,
+    ):
         method = get_method_class(config.method)
         if infos:
             config.check_model(infos[0].num_layers)
@@ -182,6 +216,11 @@ class SparseCache(Cache):
         super().__init__(layers=layers)
         self.config = config
         self.infos = infos
+        #: tokens of the prompt: forwards up to this length are prompt chunks (dense attention, plain K/V), the
+        #: sparse steps start after it. None: the first forward is the whole prompt and every later forward (one
+        #: token, or a chunk of new tokens as in evaluation) attends sparsely. `model.generate()` under
+        #: `sparsekv.enabled` sets it, so that transformers' `prefill_chunk_size` prefills densely.
+        self.prompt_length = prompt_length
         self.stats = BudgetStats(len(infos))
         #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
         self.record_stats = True
@@ -191,9 +230,15 @@ class SparseCache(Cache):
         # opaque to torch.compile, like the attention function: lengths and buffers change every step
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
+    def prompt_ends(self, layer: SparseLayer) -> bool:
+        """Whether the forward in flight completes the prompt of `layer` (called while its prompt is open)."""
+        return self.prompt_length is None or layer.length >= self.prompt_length
+
     @classmethod
-    def for_model(cls, model, config: SparseConfig, initial_capacity: int = 0) -> SparseCache:
-        return cls(config, layer_infos(model), initial_capacity)
+    def for_model(
+        cls, model, config: SparseConfig, initial_capacity: int = 0, prompt_length: int | None = None
+    ) -> SparseCache:
+        return cls(config, layer_infos(model), initial_capacity, prompt_length)
 
 
 def tensor_nbytes(t: torch.Tensor | None) -> int:

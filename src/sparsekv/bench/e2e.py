@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.hf_compat import cache_kwargs
 
 #: bench model names -> (sparsekv.models shape, config overrides)
 DEFAULT_SHAPE = {  # SmolLM2-135M(-Instruct), the embedded default model (random weights here)
@@ -192,8 +193,8 @@ def cache_bytes(cache) -> int:
 
 
 def synthetic_fill(model, cache, batch: int, context: int, *, chunk: int = 8192, seed: int = 0) -> None:
-    """Writes `context` random tokens of K/V into every layer and hands them to the selectors as the attention
-    function does: prefill(keys, values, query) on the first chunk, append(new keys, new values) after."""
+    """Writes `context` random tokens of K/V into every layer as a prompt fed in chunks, then hands the whole
+    prompt to the selectors as the attention function does (`finish_prompt`, with random prompt queries)."""
     info = cache.infos[0]
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -208,20 +209,13 @@ def synthetic_fill(model, cache, batch: int, context: int, *, chunk: int = 8192,
                 batch, info.num_kv_heads, t, info.head_dim, device=device, dtype=dtype, generator=gen
             )
             keys, values = cache.update(k, v, idx)
-            if layer.selector is None:
-                continue
-            if layer.past_length == 0:
-                q = torch.randn(
-                    batch, info.num_heads, t, info.head_dim, device=device, dtype=dtype, generator=gen
-                )
-                layer.selector.prefill(keys, values, q)
-                if layer.pruner is not None:
-                    layer.pruner.prefill(keys, values, q)
-            else:
-                layer.selector.append(keys[..., -t:, :], values[..., -t:, :])
-                if layer.pruner is not None:
-                    layer.pruner.append(keys[..., -t:, :], values[..., -t:, :])
-            del k, v, keys, values
+            del k, v
+        if layer.selector is not None:
+            window = layer.selector.prompt_query_window()
+            q_len = context if window is None else min(window, context)
+            q = torch.randn(batch, info.num_heads, q_len, info.head_dim, device=device, dtype=dtype, generator=gen)
+            layer.finish_prompt(keys, values, q, key_mask=None)
+        del keys, values
 
 
 def model_prefill(model, new_cache, config: SparseConfig, ids: torch.Tensor):
@@ -236,7 +230,7 @@ def model_prefill(model, new_cache, config: SparseConfig, ids: torch.Tensor):
     out = model(
         input_ids=ids,
         attention_mask=mask if padded else None,
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -261,6 +255,11 @@ class Setup:
     compile: bool = False
 
 
+#: transformers releases that take the cache as `cache` wrap every forward in one argument-renaming function, which
+#: dynamo compiles once per wrapped forward around the graph breaks (model, decoder, layer, attention: up to 10)
+COMPILE_RECOMPILE_LIMIT = 16
+
+
 def compiled_forward(model, backend: str = "inductor"):
     """The model's call through torch.compile, for decode steps. The cache update and the attention call stay
     outside the compiled graphs (both are `torch.compiler.disable`d: they hold Python state that changes every
@@ -271,7 +270,7 @@ def compiled_forward(model, backend: str = "inductor"):
     compiled = torch.compile(model, backend=backend)
 
     def forward(**kwargs):
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=COMPILE_RECOMPILE_LIMIT):
             return compiled(**kwargs)
 
     return forward
@@ -281,7 +280,7 @@ def _decode_step(model, cache, compile: bool = False):
     forward = compiled_forward(model) if compile else model
 
     def step(tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        out = forward(input_ids=tok, position_ids=pos, past_key_values=cache, use_cache=True)
+        out = forward(input_ids=tok, position_ids=pos, **cache_kwargs(model, cache), use_cache=True)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     return step
@@ -299,7 +298,8 @@ def run_one(model, config: SparseConfig, setup: Setup) -> dict:
     # changed (then with a dynamic length)
     warmup = max(setup.warmup, 3 if setup.compile else 0)
     extra = warmup + setup.new_tokens + 8
-    with torch.inference_mode(), enabled(model, config):
+    # model_prefill runs the method's own prompt filter (GemFilter) before the prefill
+    with torch.inference_mode(), enabled(model, config, prompt_filtered=True):
 
         def new_cache(tokens: int) -> SparseCache:
             return SparseCache.for_model(model, config, initial_capacity=tokens + extra)
@@ -548,8 +548,8 @@ def greedy_ids(
     with torch.inference_mode(), enabled(model, config):
         cache = SparseCache.for_model(model, config, initial_capacity=ids.shape[1] + new_tokens)
         for _ in range(new_tokens):
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache,
-                           use_cache=True).logits[:, -1]  # fmt: skip
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=position,
+                           **cache_kwargs(model, cache), use_cache=True).logits[:, -1]  # fmt: skip
             tok = logits.argmax(-1, keepdim=True)
             out.append(tok)
             ids = tok

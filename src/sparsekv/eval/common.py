@@ -19,7 +19,6 @@ import torch
 
 from sparsekv.config import SparseConfig
 from sparsekv.registry import TOP_P_PRUNER, get_method_class
-from sparsekv.selectors.base import TokenSelector
 
 #: bump when a task's protocol changes so that cached cells of the old protocol are not reused
 PROTOCOL_VERSION = 1
@@ -93,7 +92,7 @@ def config_key(config: SparseConfig) -> dict:
     cls = get_method_class(config.method)
     # a prompt filter (GemFilter) decodes densely but its options change the output: only a plain dense method
     # may drop them from the key
-    if cls.dense and cls.filter_prompt.__func__ is TokenSelector.filter_prompt.__func__:
+    if cls.dense and not cls.rewrites_prompt:
         return {"method": config.method}
     key = {
         "method": config.method,

@@ -32,6 +32,7 @@ from sparsekv.eval.common import (
     digest,
     mean,
 )
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.selectors.base import DecodeStep, Selection, to_selection_heads
 
 METRICS = ("iou", "recall", "mass", "oracle_mass")
@@ -141,8 +142,8 @@ def window_iou(model, ids: torch.Tensor, config: SparseConfig, queries: int) -> 
     observer = SelectionObserver(cache)
     start = time.perf_counter()
     with sparsekv.enabled(model, config):
-        model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        model(input_ids=ids[:, prefix:], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+        model(input_ids=ids[:, prefix:], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     stats = cache.stats.summary()
     num_layers = len(cache.layers)
     return {

@@ -30,6 +30,7 @@ from sparsekv.eval.common import (
     digest,
     weighted_budget,
 )
+from sparsekv.hf_compat import cache_kwargs
 
 
 @dataclass(frozen=True)
@@ -76,13 +77,13 @@ def window_nll(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chun
     nll = torch.zeros((), dtype=torch.float64)
     start = time.perf_counter()
     with sparsekv.enabled(model, config):
-        out = model(input_ids=ids[:, :prefix], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1:].float()
         nll += F.cross_entropy(logits[0], ids[0, prefix : prefix + 1], reduction="sum").double().cpu()
         # inputs prefix .. total-2 predict targets prefix+1 .. total-1
         for lo in range(prefix, total - 1, chunk):
             hi = min(lo + chunk, total - 1)
-            out = model(input_ids=ids[:, lo:hi], past_key_values=cache, use_cache=True)
+            out = model(input_ids=ids[:, lo:hi], **cache_kwargs(model, cache), use_cache=True)
             logits = out.logits[0].float()
             nll += F.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="sum").double().cpu()
     seconds = time.perf_counter() - start

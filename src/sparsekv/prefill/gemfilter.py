@@ -462,6 +462,7 @@ class GemFilter(TokenSelector):
 
     name = "gemfilter"
     dense = True
+    rewrites_prompt = True
 
     keep: int | float = 1024
     filter_layer: float | None = None

@@ -3,7 +3,8 @@
 One selector instance lives in each sparse layer of a `SparseCache`, so its incremental state (bit codes, page
 min/max, quantized keys...) is per layer and per generation. The pipeline calls, per layer:
 
-    prefill(keys, values, query)     once, after the dense prefill (query = the prefill queries)
+    prefill(keys, values, query)     once, when the whole prompt is cached (attended densely, in one forward or in
+                                     chunks); query = the prompt's last `prompt_query_window()` queries
     append(keys, values)             for each later batch of new tokens, before they are queried
     select(step) -> Selection        for the new queries; step.visible holds each query's own causal past
 
@@ -346,6 +347,8 @@ class TokenSelector:
     consumes_top_p: ClassVar[bool] = False
     #: the method keeps K/V itself (compressed caches): SparseLayer.update calls `store`, attention calls `attend`
     stores_kv: ClassVar[bool] = False
+    #: the method rewrites the prompt before decoding (`filter_prompt`, GemFilter), which needs its own entry point
+    rewrites_prompt: ClassVar[bool] = False
 
     @classmethod
     def check_model(cls, model, config: SparseConfig) -> None:
@@ -373,6 +376,11 @@ class TokenSelector:
         """Builds the state from the prompt's keys/values (and queries, for methods that look at attention).
 
         key_mask: [B, N] bool, False on left padding (None: no padding)."""
+
+    def prompt_query_window(self) -> int | None:
+        """How many of the prompt's last queries `prefill` reads (None: all of them). A prompt fed in chunks keeps
+        only these between chunks; the others are never stored."""
+        return 0
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Extends the state with newly cached tokens."""

@@ -278,6 +278,9 @@ class DoubleSparsitySelector(TokenSelector):
         self.scales: torch.Tensor | None = None  # [B, Hkv, capacity, 1] for int8
         self.built = 0
 
+    def prompt_query_window(self) -> int | None:
+        return None if self.selected is None else 0  # calibration on the prompt reads every prompt query
+
     def prefill(
         self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> None:

@@ -53,6 +53,9 @@ class H2OSelector(TokenSelector):
         self.score_sum: torch.Tensor | None = None  # [B, S, capacity] accumulated attention (float64)
         self.cached: torch.Tensor | None = None  # [B, S, capacity] bool, tokens still in the cache
 
+    def prompt_query_window(self) -> int | None:
+        return None  # every prompt query's attention counts in the accumulated scores
+
     def prefill(
         self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> None:

@@ -445,7 +445,7 @@ def snap_sinks(
     real = mask.sum(-1)  # left padding: the real tokens are the last `real` ones
     window = min(SNAP_WINDOW, n)
     pos = torch.arange(n - window, n, device=keys.device)
-    q = query[:, :, n - window :].float()
+    q = query[:, :, query.shape[2] - window :].float()  # the prompt's last queries (only those may be given)
     k = keys.float().repeat_interleave(hq // hkv, dim=1)
     logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hq, W, N]
     allowed = (torch.arange(n, device=keys.device)[None, :] <= pos[:, None])[None] & mask[:, None, :]
@@ -707,9 +707,18 @@ class SelfIndexSelector(TokenSelector):
         if not self._prefilled:
             return key_states, value_states  # the dense prefill needs them; prefill() compresses
         self._append(self._rotate_keys(key_states), value_states)
-        b, h, _, _ = key_states.shape
-        stand_in = key_states.new_empty(b, h, self._store.length, 0)
+        stand_in = self._stand_in(key_states)
         return stand_in, stand_in
+
+    def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
+        """What the cache layer holds as its keys / values once this selector keeps the tokens: [B, Hkv, N, 1] with
+        N the cached length, one element expanded (no memory per token; `attend` reads the selector's storage).
+        Not empty, so that code reading the length off the keys (transformers' layers do) sees N, not 0."""
+        b, h = like.shape[:2]
+        return like.new_zeros(1, 1, 1, 1).expand(b, h, self._store.length, 1)
+
+    def prompt_query_window(self) -> int | None:
+        return SNAP_WINDOW if self.sink_tokens > 0 else 0  # the sinks are the tokens these queries attend most
 
     def prefill(
         self,
@@ -1128,6 +1137,7 @@ def measure_cache_memory(
     import sparsekv
     from sparsekv.assets import haystack_text
     from sparsekv.cache import SparseCache
+    from sparsekv.hf_compat import cache_kwargs
 
     ids = tokenizer.encode(haystack_text(), add_special_tokens=False)[:context]
     if len(ids) < context:
@@ -1136,10 +1146,10 @@ def measure_cache_memory(
     input_ids = torch.tensor([ids], device=device)
     cache = SparseCache.for_model(model, config)
     with torch.inference_mode(), sparsekv.enabled(model, config):
-        logits = model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits[:, -1]
+        logits = model(input_ids=input_ids, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
         for _ in range(decode_tokens):
             token = logits.argmax(-1, keepdim=True)
-            logits = model(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True).logits[:, -1]
     report = cache_memory(cache)
     report.update(
         method=config.method,

@@ -74,6 +74,9 @@ class SnapKVSelector(TokenSelector):
         self.window_query: torch.Tensor | None = None
         self.prompt_scores: torch.Tensor | None = None  # [B, S, P], in [0, group * window]
 
+    def prompt_query_window(self) -> int | None:
+        return self.window
+
     def prefill(
         self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> None:

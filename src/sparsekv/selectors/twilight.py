@@ -80,6 +80,9 @@ class TwilightSelector(TokenSelector):
         p = self.config.top_p if self.config.top_p is not None else DEFAULT_TOP_P
         self.pruner = TopPPruner(self.config, self.layer, p=p, bits=self.bits)
 
+    def prompt_query_window(self) -> int | None:
+        return self.inner.prompt_query_window()
+
     def prefill(
         self,
         keys: torch.Tensor,
