@@ -355,3 +355,27 @@ def test_model_compile_then_generate_stays_sparse():
                                     recompile_limit=COMPILE_RECOMPILE_LIMIT):
         compiled, kept = run()
     assert torch.equal(compiled, eager) and kept == kept_eager < 0.5
+
+
+def test_bench_generate_times_every_row_through_model_generate(tmp_path):
+    """`sparsekv bench generate` on CPU: HF dense and methods through model.generate(), chunked prefill, JSON."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "generate.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "sparsekv.cli", "bench", "generate", "--model", "tiny-llama", "--layers", "3",
+         "--context", "96", "--batch", "2", "--rows", "hf-dense,oracle-topk,self-index", "--budget", "0.1",
+         "--new-tokens", "4", "--warmup", "1", "--prefill-chunk-size", "40", "--output", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    payload = json.loads(out.read_text())
+    rows = {r["row"]: r for r in payload["summary"]}
+    assert set(rows) == {"hf-dense", "oracle-topk", "self-index"}
+    assert all(r["tpot_ms"] > 0 for r in rows.values())
+    assert rows["hf-dense"]["vs_hf_best_dense"] == 1.0 and rows["hf-dense"]["avg_budget_tokens"] is None
+    for method in ("oracle-topk", "self-index"):
+        assert rows[method]["sparse_layers"] == [2]  # layers 0 and 1 are dense by default
+        assert 0 < rows[method]["avg_budget_tokens"] < 0.2 * rows[method]["avg_context_tokens"]

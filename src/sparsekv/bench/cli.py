@@ -138,5 +138,53 @@ def e2e(
     _write(result, output)
 
 
+@app.command()
+def generate(
+    model: Annotated[
+        str, typer.Option(help="default (SmolLM2-135M shape) | llama3-8b-random (random weights)")
+    ] = "llama3-8b-random",
+    layers: Annotated[int | None, typer.Option(help="decoder layers (fewer than the model's to fit)")] = None,
+    context: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 32768,
+    batch: Annotated[int, typer.Option(help="batch size")] = 1,
+    rows: Annotated[str, typer.Option(help="comma-separated: hf-dense, hf-static-compile and methods")] = (
+        "hf-dense,hf-static-compile,spotlight,lsh,quest,twilight,double-sparsity,self-index"
+    ),
+    budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Twilight top-p pruning")] = None,
+    new_tokens: Annotated[int, typer.Option(help="timed decode steps")] = 32,
+    warmup: Annotated[int, typer.Option(help="decode steps before the timed ones")] = 4,
+    prefill_chunk_size: Annotated[
+        int | None, typer.Option(help="transformers' chunked prefill (every row)")
+    ] = None,
+    rounds: Annotated[int, typer.Option(help="all rows again, in turn (best round reported)")] = 1,
+    output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
+) -> None:
+    """Decode TPOT through model.generate(): HF dense, HF static cache + compile and each method, one process."""
+    from sparsekv.bench.generate import run_generate
+
+    names = tuple(r.strip() for r in rows.split(",") if r.strip())
+    result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
+                          top_p=top_p, new_tokens=new_tokens, warmup=warmup,
+                          prefill_chunk_size=prefill_chunk_size, rounds=rounds)  # fmt: skip
+    table = Table(
+        title=f"model.generate(): {model} ({result['layers']} layers) N{context} B{batch} budget {budget} on "
+        f"{result['device']}, transformers {result['transformers']}"
+    )
+    for col in ("row", "TPOT ms", "tokens/s", "vs HF best dense", "tokens attended", "prefill s", "peak GB"):
+        table.add_column(col, justify="left" if col == "row" else "right")
+    for r in result["summary"]:
+        if r.get("error"):
+            table.add_row(r["row"], r["error"], "", "", "", "", "")
+            continue
+        table.add_row(
+            r["row"], f"{r['tpot_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
+            f"{r['vs_hf_best_dense']:.2f}x" if r["vs_hf_best_dense"] else "",
+            f"{r['avg_budget_tokens']:.0f} / {r['avg_context_tokens']:.0f}" if r["avg_budget_tokens"] else "",
+            f"{r['prefill_s']:.1f}", f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "",
+        )  # fmt: skip
+    console.print(table)
+    _write(result, output)
+
+
 if __name__ == "__main__":
     app()

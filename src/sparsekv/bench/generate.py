@@ -1,0 +1,168 @@
+"""`sparsekv bench generate`: decode speed where users decode — `model.generate()` — side by side in one process.
+
+The same random prompts through, in turn:
+
+- `hf-dense`: plain `model.generate()` (transformers' DynamicCache, SDPA);
+- `hf-static-compile`: `model.generate(cache_implementation="static")`, which transformers compiles on CUDA;
+- each method: `model.generate()` under `sparsekv.enabled(model, SparseConfig(method, budget))`.
+
+Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a one-shot prefill of a long batch does
+not fit the GPU). The time of each generated token is taken by a streamer (transformers hands it each token as
+it is produced); TPOT is the mean over the steps after `warmup` (the first steps compile kernels and graphs), so
+the prefill is not in it. Peak memory and, for the methods, the tokens attended per step (from the cache's stats)
+are reported beside it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import time
+
+import torch
+
+from sparsekv.config import ConfigError, SparseConfig
+
+HF_ROWS = ("hf-dense", "hf-static-compile")
+DEFAULT_METHODS = ("spotlight", "lsh", "quest", "twilight", "double-sparsity", "self-index")
+
+
+class _TokenClock:
+    """A transformers streamer that records when each token reaches the host (the first `put` is the prompt)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.times: list[float] = []
+
+    def put(self, _tokens) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def _config_for(row: str, budget: float, top_p: float | None) -> SparseConfig | None:
+    if row in HF_ROWS:
+        return None
+    return SparseConfig(method=row, budget=budget, top_p=top_p)
+
+
+def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
+                  warmup: int, prefill_chunk_size: int | None) -> dict:  # fmt: skip
+    """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
+    and (methods) the tokens attended per step."""
+    import sparsekv
+
+    device = ids.device
+    clock = _TokenClock(device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens + warmup + 1,
+                  min_new_tokens=new_tokens + warmup + 1, do_sample=False, streamer=clock,
+                  prefill_chunk_size=prefill_chunk_size, pad_token_id=0)  # fmt: skip
+    if row == "hf-static-compile":
+        kwargs["cache_implementation"] = "static"
+    config = _config_for(row, budget, top_p)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    result: dict = {"row": row}
+    try:
+        if config is None:
+            model.generate(ids, **kwargs)
+            stats = None
+        else:
+            with sparsekv.enabled(model, config):
+                model.generate(ids, **kwargs)
+                stats = sparsekv.last_cache(model).stats.summary()
+    except torch.OutOfMemoryError as error:
+        return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
+    times = clock.times  # prompt, first token (end of the prefill), then one per decode step
+    steps = times[2 + warmup :]
+    tpot = (steps[-1] - times[1 + warmup]) / len(steps)
+    result.update(
+        tpot_ms=1e3 * tpot,
+        tokens_per_s=ids.shape[0] / tpot,
+        prefill_s=times[1] - times[0],
+        peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        avg_budget_tokens=stats and stats["avg_budget_tokens"],
+        avg_context_tokens=stats and stats["avg_context_tokens"],
+        sparse_layers=stats and sorted(stats["per_layer_avg_tokens"]),
+    )
+    return result
+
+
+def run_generate(
+    model: str = "llama3-8b-random",
+    *,
+    layers: int | None = None,
+    context: int = 32768,
+    batch: int = 1,
+    rows: tuple[str, ...] = (*HF_ROWS, *DEFAULT_METHODS),
+    budget: float = 0.02,
+    top_p: float | None = None,
+    new_tokens: int = 32,
+    warmup: int = 4,
+    prefill_chunk_size: int | None = None,
+    rounds: int = 1,
+    seed: int = 0,
+    device: str | None = None,
+) -> dict:
+    """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn."""
+    from sparsekv.bench.e2e import build_model, check_fits
+    from sparsekv.registry import get_method_class
+
+    for what, value, least in (("context", context, 2), ("batch", batch, 1), ("new_tokens", new_tokens, 1),
+                               ("warmup", warmup, 0), ("rounds", rounds, 1)):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{what} must be >= {least}, got {value}")
+    for row in rows:
+        if row not in HF_ROWS:
+            get_method_class(row)  # unknown names: one ConfigError listing the methods
+            _config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
+    net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
+    results: list[dict] = []
+    for round_index in range(rounds):
+        for row in rows:
+            timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
+                                  prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+            results.append(timed | {"round": round_index})
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "model": model,
+        "layers": net.config.num_hidden_layers,
+        "context": context,
+        "batch": batch,
+        "budget": budget,
+        "top_p": top_p,
+        "new_tokens": new_tokens,
+        "warmup": warmup,
+        "prefill_chunk_size": prefill_chunk_size,
+        "results": results,
+        "summary": summarize(results),
+    }
+
+
+def summarize(results: list[dict]) -> list[dict]:
+    """Per row: the best TPOT over the rounds and its ratio to HF's best dense (the faster of the two HF rows)."""
+    best: dict[str, dict] = {}
+    for r in results:
+        if r.get("tpot_ms") is not None and (r["row"] not in best or r["tpot_ms"] < best[r["row"]]["tpot_ms"]):
+            best[r["row"]] = r
+    hf = [best[row]["tpot_ms"] for row in HF_ROWS if row in best]
+    reference = min(hf) if hf else None
+    rows = []
+    for row in dict.fromkeys(r["row"] for r in results):
+        r = best.get(row) or next(x for x in results if x["row"] == row)
+        speedup = reference / r["tpot_ms"] if reference and r.get("tpot_ms") else None
+        rows.append({**r, "vs_hf_best_dense": speedup})
+    return rows
