@@ -142,8 +142,6 @@ def prefill_one(
 
     @torch.inference_mode()
     def prefill(input_ids):
-        from transformers import DynamicCache
-
         mask = torch.ones_like(input_ids)
         if method == "gemfilter":
             result = gem_filter(
@@ -533,7 +531,7 @@ def main() -> None:
         "keep": args.keep,
     }
     if args.scan:
-        from sparsekv.prefill.gemfilter import recommend_layer, scan_layers
+        from sparsekv.eval.gemfilter_scan import recommend_layer, scan_layers
 
         model, tokenizer = load()
         probes = scan_layers(

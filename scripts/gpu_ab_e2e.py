@@ -8,8 +8,7 @@ noise. Prints one line per run and a table last; JSON lines in $OUT/ab_e2e.jsonl
 
 BEFORE_SRC / AFTER_SRC: directories that hold the `sparsekv` package (e.g. `src`, and an old revision's `src`
 exported with `git archive REV src | tar -x -C /tmp/before`). A tree written `DIR:compile` runs its decode steps
-(dense and METHOD) through torch.compile: `src src:compile` measures what compiling gives. The seventh session's
-results/e2e_s7/ab_e2e_*.jsonl predate METHOD: their "spotlight_ms" is "method_ms" here.
+(dense and METHOD) through torch.compile: `src src:compile` measures what compiling gives.
 """
 
 import json

@@ -242,7 +242,7 @@ if "attend" in SECTIONS:
 
 
 def sweep_probe(grid=None):
-    """Score + select launch grid (sixth session): scorer tile, prefetch of the next tile(s), GQA head adders,
+    """Score + select launch grid: scorer tile, prefetch of the next tile(s), GQA head adders,
     4-bit histogram counters, programs per SM, select tile and warps; at 128K x B8 and at an N that is not a
     multiple of 16 (the decode case: rows padded, one wave of programs). Each line is checked against the
     default's set."""
@@ -294,7 +294,7 @@ def sweep_probe(grid=None):
 
 if "sweep" in SECTIONS:
     sweep_probe()
-if "scoregrid" in SECTIONS:  # ninth session: tiles in flight ahead x programs per SM (occupancy by registers)
+if "scoregrid" in SECTIONS:  # tiles in flight ahead x programs per SM (occupancy by registers)
     sweep_probe([(block, depth, True, True, pps, (512, 2)) for block in (512, 1024) for depth in (1, 2)
                  for pps in (4, 6, 8)])  # fmt: skip
 
@@ -323,8 +323,8 @@ if "plain" in SECTIONS:
 
 
 def pair_probe():
-    """A decode step's query + new-key hash: two `sign_hash` launches and the copy into the code buffer (before
-    the seventh session) against one `sign_hash_pair` launch, with and without the early weight loads; B8 and B1.
+    """A decode step's query + new-key hash: two `sign_hash` launches and the copy into the code buffer (the former
+    decode path) against one `sign_hash_pair` launch, with and without the early weight loads; B8 and B1.
     Every line is checked against the pair's torch reference (bits flipped by rounding)."""
     from sparsekv.kernels.bits import popcount32
     from sparsekv.kernels.sign_hash import sign_hash, sign_hash_pair, sign_hash_pair_reference
@@ -538,8 +538,8 @@ if "merge" in SECTIONS:
 
 
 def tail_probe():
-    """Rows a tile longer than equal chunks (decode lengths 2**17 + t): every chunk one tile longer (the rule
-    before the ninth session) against the last chunk taking the extra tile; whole spotlight step, alternating."""
+    """Rows a tile longer than equal chunks (decode lengths 2**17 + t): every chunk one tile longer (the former
+    rule) against the last chunk taking the extra tile; whole spotlight step, alternating."""
     import math
 
     def ceil_chunking(rows, n, block, device, max_chunks=128, progs_per_sm=16):
@@ -596,8 +596,7 @@ if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run 
 
 def rotate_probe():
     """Scorer programs starting at a row-dependent tile of their chunk (TUNE["rotate"]) or all at their first tile:
-    whole spotlight step (`run_attention`), alternating, twice (v44; the register-cap variants of that run were
-    measured with a knob since removed: results/kernels_s10/probe_regcap.log)."""
+    whole spotlight step (`run_attention`), alternating, twice (docs/kernels-notes.md, Hamming scorer)."""
     saved = dict(ham.TUNE)
     for _ in range(2):
         for rotate in (False, True):
@@ -613,7 +612,7 @@ if "rotate" in SECTIONS:
 
 
 def scoretile_probe(variants=((512, 8), (1024, 8), (256, 8), (512, 6), (512, 12))):
-    """The scorer's tile and programs per SM again, now that long chunks rotate (v44): whole spotlight step
+    """The scorer's tile and programs per SM again, now that long chunks rotate: whole spotlight step
     (`run_attention`), alternating, twice."""
     saved = dict(ham.TUNE)
     for _ in range(2):
@@ -630,7 +629,7 @@ if "scoretile" in SECTIONS:
 
 def nowin_probe():
     """Score + histogram alone, newest-first (the selectors') and forward (`bench kernels`' rows), without a
-    threshold window (the first decode step) and with a warm one, rotation (v44) off / on, alternating, twice;
+    threshold window (the first decode step) and with a warm one, rotation off / on, alternating, twice;
     128K x B8. Rotation applies to newest-first scoring only, so the forward lines show both settings equal."""
     codes = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
              for _ in range(3)]  # fmt: skip

@@ -3,7 +3,7 @@ registers, shared memory, instructions, POPC, barriers and the width of its glob
 
 Triton's wheel carries ptxas and cuobjdump, so this costs no device time. It answers questions such as "are the
 score loads 16 bytes wide?" or "how many barriers does one compaction tile take?" before a timed run
-(docs/kernels-notes.md, sixth session). Argument types follow the decode path at 128K x B8; integer arguments
+(docs/kernels-notes.md). Argument types follow the decode path at 128K x B8; integer arguments
 named in --div16 are assumed multiples of 16, as Triton's specialisation assumes for such values at run time.
 
     python scripts/kernel_sass.py compact [--warps 2] [--set BLOCK=1024] [--odd-n] [--dump out.sass]

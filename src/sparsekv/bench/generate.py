@@ -57,9 +57,9 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
 
     device = ids.device
     clock = _TokenClock(device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens + warmup + 1,
-                  min_new_tokens=new_tokens + warmup + 1, do_sample=False, streamer=clock,
-                  prefill_chunk_size=prefill_chunk_size, pad_token_id=0)  # fmt: skip
+    steps = new_tokens + warmup + 1
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps, "min_new_tokens": steps,
+              "do_sample": False, "streamer": clock, "prefill_chunk_size": prefill_chunk_size, "pad_token_id": 0}
     if row == "hf-static-compile":
         kwargs["cache_implementation"] = "static"
     config = _config_for(row, budget, top_p)
@@ -79,8 +79,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     except torch.OutOfMemoryError as error:
         return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     times = clock.times  # prompt, first token (end of the prefill), then one per decode step
-    steps = times[2 + warmup :]
-    tpot = (steps[-1] - times[1 + warmup]) / len(steps)
+    timed = times[2 + warmup :]
+    tpot = (timed[-1] - times[1 + warmup]) / len(timed)
     result.update(
         tpot_ms=1e3 * tpot,
         tokens_per_s=ids.shape[0] / tpot,
