@@ -18,7 +18,8 @@ from sparsekv.kernels._sparse_attention_triton import (
     online_softmax_block,
     store_split_partial,
 )
-from sparsekv.kernels._triton import interpreting, next_pow2
+from sparsekv.kernels._tl_utils import chunk_and_row
+from sparsekv.kernels._triton import check_grid, interpreting, next_pow2, row_grid
 
 # attention launch. precision "auto": 3xTF32 dots for float32 queries (float32 accuracy on tensor cores; plain IEEE
 # float32 dots run on the FMA units: 1481 us vs 195 us at 128K x B8 on the H200), one TF32 pass for 16-bit queries,
@@ -192,8 +193,7 @@ def _key_scores_kernel(
     SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    cb = tl.program_id(0)
-    r = tl.program_id(1)
+    cb, r = chunk_and_row()
     qi = r % Q
     h = (r // Q) % H
     b = r // (Q * H)
@@ -201,9 +201,9 @@ def _key_scores_kernel(
     cmask = c < D
     offs = cb * BLOCK + tl.arange(0, BLOCK)
     ok = offs < C
-    b64, h64 = b.to(tl.int64), h.to(tl.int64)
-    idx = tl.load(idx_ptr + b64 * sib + h64 * sih + qi * siq + offs, mask=ok, other=0).to(tl.int64)
-    query = tl.load(q_ptr + b64 * sqb + h64 * sqh + qi * sqq + c, mask=cmask, other=0.0).to(tl.float32)
+    b64, h64, q64 = b.to(tl.int64), h.to(tl.int64), qi.to(tl.int64)
+    idx = tl.load(idx_ptr + b64 * sib + h64 * sih + q64 * siq + offs, mask=ok, other=0).to(tl.int64)
+    query = tl.load(q_ptr + b64 * sqb + h64 * sqh + q64 * sqq + c, mask=cmask, other=0.0).to(tl.float32)
     alpha = tl.load(alpha_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
     keys = _keys_any(
         sign_ptr + b64 * s_sign_b + h64 * s_sign_h, mag_ptr + b64 * s_mag_b + h64 * s_mag_h,
@@ -221,7 +221,7 @@ def _key_scores_kernel(
         keys = _override(keys + mu[None, :], m2, c, sink, tail, sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h, s_sk,
                          tailk_ptr + b64 * s_tk_b + h64 * s_tk_h, s_tk, HAS_SINKS, HAS_TAIL) - mu[None, :]  # fmt: skip
     score = tl.sum(keys * query[None, :], axis=1)
-    tl.store(out_ptr + b64 * sob + h64 * soh + qi * soq + offs, score, mask=ok)
+    tl.store(out_ptr + b64 * sob + h64 * soh + q64 * soq + offs, score, mask=ok)
 
 
 def _key_layout(kv):
@@ -271,7 +271,7 @@ def compressed_key_scores_triton(query, kv, index, tail_from):
     block = KEYS_TUNE["block"]
     zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
     cp = _copies(kv, query, tail_from)
-    _key_scores_kernel[(triton.cdiv(cnum, block), b * h * q)](
+    _key_scores_kernel[row_grid("compressed_key_scores", index.shape, triton.cdiv(cnum, block), b * h * q)](
         query, index, out, kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu,
         cp["sinkpos"], cp["sink_k"], cp["tail_k"], cp["tail_from"],
         h, q, cnum, kv.k_scale_offset, kv.k_scale.shape[2], cp["num_sinks"], kv.tail_first, cp["tail_len"],
@@ -298,17 +298,16 @@ def _attention_kernel(
     VBITS: tl.constexpr, VGROUP: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr,
     HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    sp = tl.program_id(0)
-    r = tl.program_id(1)
+    sp, r = chunk_and_row()
     qi = r % Q
     h = (r // Q) % H
     b = r // (Q * H)
-    b64, h64 = b.to(tl.int64), h.to(tl.int64)
+    b64, h64, q64 = b.to(tl.int64), h.to(tl.int64), qi.to(tl.int64)
     heads = tl.arange(0, GP)
     hmask = heads < G
     c = tl.arange(0, DP)
     cmask = c < D
-    query = tl.load(q_ptr + b64 * sqb + (h * G + heads[:, None]).to(tl.int64) * sqh + qi * sqq + c[None, :],
+    query = tl.load(q_ptr + b64 * sqb + (h * G + heads[:, None]).to(tl.int64) * sqh + q64 * sqq + c[None, :],
                     mask=hmask[:, None] & cmask[None, :], other=0.0).to(tl.float32)  # fmt: skip
     alpha = tl.load(alpha_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
     mu = tl.load(mu_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
@@ -319,8 +318,8 @@ def _attention_kernel(
     v_base = v_ptr + b64 * s_v_b + h64 * s_v_h
     vs_base = vs_ptr + b64 * s_vs_b + h64 * s_vs_h
     vz_base = vz_ptr + b64 * s_vs_b + h64 * s_vs_h
-    i_base = idx_ptr + b64 * sib + h64 * sih + qi * siq
-    vl_base = valid_ptr + b64 * svlb + h64 * svlh + qi * svlq
+    i_base = idx_ptr + b64 * sib + h64 * sih + q64 * siq
+    vl_base = valid_ptr + b64 * svlb + h64 * svlh + q64 * svlq
     slots = tl.arange(0, SP)
     sink_pos = tl.load(sinkpos_ptr + b64 * s_sp_b + h64 * s_sp_h + slots, mask=slots < num_sinks, other=-1)
     tail_from = tl.load(tail_from_ptr + qi)
@@ -379,7 +378,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
     lse = torch.empty(b * hq * q, splits, dtype=torch.float32, device=query.device)
     zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
     cp = _copies(kv, query, tail_from)
-    _attention_kernel[(splits, rows)](
+    _attention_kernel[row_grid("compressed_attention", query.shape, splits, rows)](
         query, indices, valid, cp["tail_from"], o_part, lse,
         kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu, kv.v, kv.v_scale, kv.v_zero,
         cp["sinkpos"], cp["sink_k"], cp["sink_v"], cp["tail_k"], cp["tail_v"],
@@ -394,5 +393,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
         num_warps=ATTN_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
-    _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits))
+    _combine_kernel[check_grid("compressed_attention", query.shape, (b * hq * q,))](
+        o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits)
+    )
     return out

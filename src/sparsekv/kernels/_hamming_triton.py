@@ -26,15 +26,15 @@ from sparsekv.kernels._topk_triton import (
     window_base,
     window_digit,
 )
-from sparsekv.kernels._triton import next_pow2, pdl_launch
+from sparsekv.kernels._triton import MAX_GRID, check_grid, next_pow2, pdl_launch
 
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
-# launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md v20-v24). _plain: the
+# launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md). _plain: the
 # scorer without a histogram (int32 scores). group_adders: combine a GQA group's query heads before the popcounts
 # (group_words), for groups of up to 8. prefetch: how many tiles ahead of the one being scored have their codes
 # in flight (0 / False: none). rotate: in the decode step's scoring (newest key first, threshold window), the
 # programs of chunks of at least rotate_min_tiles tiles start at a tile that depends on their row
-# (docs/kernels-notes.md v44). H200, 128K x B8: step 106.0 -> 102.8 us, 131077 keys 111.0 -> 106.5 us. It lost
+# (docs/kernels-notes.md). H200, 128K x B8: step 106.0 -> 102.8 us, 131077 keys 111.0 -> 106.5 us. It lost
 # elsewhere, which keeps the plain order: 32K x B8 (4 tiles a chunk) 0.3 us, forward scoring 4.5 us, newest-first
 # scoring without a window 3.7 us.
 TUNE = {"block": 512, "block_plain": 1024, "num_warps": 4, "vec": True, "progs_per_sm": 8, "progs_per_sm_plain": 16,
@@ -139,7 +139,7 @@ def _hamming_kernel(
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
-    r = tl.program_id(1)
+    r = tl.program_id(1)  # rows on axis y alone (see _query_step)
     qi = r % Q
     kvh = (r // Q) % HKV
     b = r // (Q * HKV)
@@ -148,7 +148,7 @@ def _hamming_kernel(
     nb = tl.minimum(tl.maximum(bits - 32 * w, 0), 32)
     word_mask = tl.where(nb >= 32, -1, (1 << tl.minimum(nb, 31)) - 1)
     k_base = k_ptr + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
-    q_base = q_ptr + b.to(tl.int64) * sqb + (kvh * G).to(tl.int64) * sqh + qi * sqq
+    q_base = q_ptr + b.to(tl.int64) * sqb + (kvh * G).to(tl.int64) * sqh + qi.to(tl.int64) * sqq
     o_base = out_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + qi.to(tl.int64) * soq
     if HEADS0 > 0:  # groups of up to 8 heads: combined head words, loaded once (see group_words)
         u0, v0, m0, const = group_words(q_base, sqh, w, wmask, word_mask, 0, HEADS0, USE_POPC)
@@ -264,7 +264,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
     else:
         hist = out  # unused
     base = torch.empty(rows, dtype=torch.int32, device=key_codes.device) if window else None
-    _hamming_kernel[(num_chunks, rows)](
+    _hamming_kernel[check_grid("hamming", query_codes.shape, (num_chunks, rows))](
         query_codes,
         key_codes,
         out,
@@ -308,10 +308,24 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
     return out, hist, num_chunks, bpc, block, base
 
 
+def _query_step(query_codes: torch.Tensor, key_codes: torch.Tensor) -> int | None:
+    """Queries per launch where the rows (batch x kv heads x queries) pass grid axis y's 65535, else None.
+    The scorer keeps its rows on axis y: spreading them over axes y and z (`_triton.row_grid`, as the other
+    kernels do) cost it 2.6 of 57 us at 128K x B8 (H100, triton 3.6), so a long prefill chunk is scored in
+    slices of its queries instead."""
+    per_query = query_codes.shape[0] * key_codes.shape[1]
+    step = max(1, MAX_GRID[1] // per_query)
+    return step if step < query_codes.shape[2] else None
+
+
 def hamming_scores_triton(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
     from sparsekv.kernels.hamming import _check
 
     _check(query_codes, key_codes)
+    step = _query_step(query_codes, key_codes)
+    if step is not None:
+        return torch.cat([hamming_scores_triton(query_codes[:, :, i : i + step], key_codes, bits=bits)
+                          for i in range(0, query_codes.shape[2], step)], dim=2)  # fmt: skip
     return _launch(query_codes, key_codes, bits, torch.int32)[0]
 
 
@@ -329,6 +343,21 @@ def hamming_topk_triton(
     """Fused scoring + histogram, then threshold + compaction: [B, Hkv, Q, k] int64 (unordered).
 
     threshold_hint: see `hamming_score_hist`; the result does not depend on it."""
+    step = _query_step(query_codes, key_codes)
+    if step is not None:  # slices of the queries (see _query_step), each with its rows' thresholds
+        b, hkv, q = query_codes.shape[0], key_codes.shape[1], query_codes.shape[2]
+        hints = None
+        if threshold_hint is not None:
+            hints = _check_hint(threshold_hint, b * hkv * q, key_codes).view(b, hkv, q)
+        kw = {"bits": bits, "recent_first": recent_first, "sink": sink, "local": local}
+        parts = []
+        for i in range(0, q, step):
+            hint = None if hints is None else hints[:, :, i : i + step].contiguous().view(-1)
+            part = query_codes[:, :, i : i + step]
+            parts.append(hamming_topk_triton(part, key_codes, k, threshold_hint=hint, **kw))
+            if hints is not None:
+                hints[:, :, i : i + step] = hint.view(b, hkv, -1)  # the slice's updated thresholds
+        return torch.cat(parts, dim=2)
     state = hamming_score_hist(
         query_codes, key_codes, bits=bits, recent_first=recent_first, sink=sink, local=local,
         threshold_hint=threshold_hint,
@@ -381,9 +410,7 @@ def hamming_score_hist(
     dtype = torch.int16 if top < 2**15 else torch.int32
     if threshold_hint is not None:
         rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
-        if (threshold_hint.dtype != torch.int32 or threshold_hint.shape != (rows,)
-                or threshold_hint.device != key_codes.device):  # fmt: skip
-            raise ValueError(f"threshold_hint must be int32 [{rows}] on {key_codes.device}")
+        _check_hint(threshold_hint, rows, key_codes)
         if nbits != WINDOW_BITS:
             threshold_hint = None  # ranges under 32 scores: one radix level is already exact
     scores, hist, num_chunks, bpc, block, base = _launch(
@@ -392,6 +419,12 @@ def hamming_score_hist(
     )  # fmt: skip
     window = None if threshold_hint is None else (base, g * bits + 1)
     return ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, recent_first, window, threshold_hint)
+
+
+def _check_hint(hint: torch.Tensor, rows: int, key_codes: torch.Tensor) -> torch.Tensor:
+    if hint.dtype != torch.int32 or hint.shape != (rows,) or hint.device != key_codes.device:
+        raise ValueError(f"threshold_hint must be int32 [{rows}] on {key_codes.device}")
+    return hint
 
 
 def hamming_select(state: ScoreState, k: int) -> torch.Tensor:

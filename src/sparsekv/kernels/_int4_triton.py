@@ -8,6 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.kernels._tl_utils import chunk_and_row
+from sparsekv.kernels._triton import row_grid
+
 # candidates per program and warps (the kernel benchmark sweeps them)
 TUNE = {"block": 128, "num_warps": 4}  # 128 x 4: 128 us vs 166 us at 64 (H200, 128K x B8)
 
@@ -43,8 +46,7 @@ def _int4_qk_kernel(
     DH: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    kb = tl.program_id(0)
-    r = tl.program_id(1)
+    kb, r = chunk_and_row()
     qi = r % Q
     s = (r // Q) % S
     b = r // (Q * S)
@@ -52,7 +54,7 @@ def _int4_qk_kernel(
     heads = tl.arange(0, GP)
     hm = heads < G
     j = tl.arange(0, DH)
-    qrow = q_ptr + b.to(tl.int64) * sqb + (s * G + heads[:, None]).to(tl.int64) * sqh + qi * sqq
+    qrow = q_ptr + b.to(tl.int64) * sqb + (s * G + heads[:, None]).to(tl.int64) * sqh + qi.to(tl.int64) * sqq
     q_even = tl.load(qrow + 2 * j[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
     q_odd = tl.load(qrow + 2 * j[None, :] + 1, mask=hm[:, None], other=0.0).to(tl.float32)
     qsum = tl.sum(q_even + q_odd, axis=1)  # [GP]
@@ -94,7 +96,7 @@ def int4_qk_triton(query, packed, scale, zero, indices):
     scale = scale if scale.stride(-1) == 1 else scale.contiguous()
     zero = zero if zero.stride(-1) == 1 else zero.contiguous()
     block = TUNE["block"]
-    _int4_qk_kernel[(triton.cdiv(kk, block), b * s * q)](
+    _int4_qk_kernel[row_grid("int4_qk", indices.shape, triton.cdiv(kk, block), b * s * q)](
         query, packed, scale, zero, indices, out, s, q, kk, hq, g,
         *query.stride()[:3], *packed.stride()[:3], *scale.stride()[:2], *zero.stride()[:2], *indices.stride()[:3],
         G=heads_per_row, GP=max(16, triton.next_power_of_2(heads_per_row)), DH=d // 2, BLOCK=block, num_warps=TUNE["num_warps"],

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.kernels._tl_utils import chunk_and_row
+from sparsekv.kernels._triton import row_grid
+
 LUT_TUNE = {"mode": "pairs", "tile": 512, "tiles": 4, "num_warps": 4, "table": torch.float32}
 
 
@@ -37,8 +40,7 @@ def _lut_kernel(
     GROUPS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    nb = tl.program_id(0)
-    r = tl.program_id(1)
+    nb, r = chunk_and_row()
     qi = r % Q
     kvh = (r // Q) % HKV
     b = r // (Q * HKV)
@@ -67,8 +69,7 @@ def _lut_pairs_kernel(
 ):  # fmt: skip
     """table [rows, WP * 4 * 256]: entry (w * 4 + j) * 256 + byte = score of the two 4-bit groups held in byte j of
     sign word w (zero past the last group)."""
-    nb = tl.program_id(0)
-    r = tl.program_id(1)
+    nb, r = chunk_and_row()
     qi = r % Q
     kvh = (r // Q) % HKV
     b = r // (Q * HKV)
@@ -120,14 +121,14 @@ def lut_scores_triton(query, centroids, sign_codes):
     mode = LUT_TUNE["mode"]
     if mode == "nibble":
         block = 256
-        _lut_kernel[(triton.cdiv(n, block), b * hkv * q)](
+        _lut_kernel[row_grid("lut_scores", query.shape, triton.cdiv(n, block), b * hkv * q)](
             lut, codes, out, n, q, hkv, *codes.stride()[:3], *out.stride()[:3],
             W=w, WP=wp, GROUPS=groups, BLOCK=block, num_warps=4,
         )  # fmt: skip
         return out
     tile = LUT_TUNE["tile"]
     tiles = max(1, min(LUT_TUNE["tiles"], triton.cdiv(n, tile)))
-    _lut_pairs_kernel[(triton.cdiv(n, tile * tiles), b * hkv * q)](
+    _lut_pairs_kernel[row_grid("lut_scores", query.shape, triton.cdiv(n, tile * tiles), b * hkv * q)](
         pair_tables(lut, wp).to(LUT_TUNE["table"]), codes, out, n, q, hkv, *codes.stride()[:3], *out.stride()[:3],
         W=w, WP=wp, TILE=tile, TILES=tiles, GATHER=mode == "pairs_gather", num_warps=LUT_TUNE["num_warps"],
     )  # fmt: skip

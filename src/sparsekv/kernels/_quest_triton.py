@@ -7,6 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.kernels._tl_utils import chunk_and_row
+from sparsekv.kernels._triton import row_grid
+
 _REDUCE = {"sum": 0, "max": 1, "none": 2}
 
 
@@ -37,8 +40,7 @@ def _quest_kernel(
     BLOCK: tl.constexpr,
     REDUCE: tl.constexpr,
 ):
-    pb = tl.program_id(0)
-    r = tl.program_id(1)
+    pb, r = chunk_and_row()
     qi = r % Q
     kvh = (r // Q) % HKV
     b = r // (Q * HKV)
@@ -63,7 +65,9 @@ def _quest_kernel(
         acc = tl.zeros([BLOCK], dtype=tl.float32)
     for h in tl.static_range(G):
         q = tl.load(
-            q_ptr + b.to(tl.int64) * sqb + (kvh * G + h).to(tl.int64) * sqh + qi * sqq + d, mask=dm, other=0.0
+            q_ptr + b.to(tl.int64) * sqb + (kvh * G + h).to(tl.int64) * sqh + qi.to(tl.int64) * sqq + d,
+            mask=dm,
+            other=0.0,
         ).to(tl.float32)
         s = tl.sum(tl.maximum(q[None, :] * mx, q[None, :] * mn), axis=1)
         if REDUCE == 2:
@@ -90,7 +94,7 @@ def quest_page_scores_triton(query, page_min, page_max, *, group_reduce="sum"):
         t if t.stride(-1) == 1 else t.contiguous() for t in (query, page_min, page_max)
     )
     block = 32 if d >= 128 else 64
-    _quest_kernel[(triton.cdiv(p, block), b * hkv * q)](
+    _quest_kernel[row_grid("quest_page_scores", query.shape, triton.cdiv(p, block), b * hkv * q)](
         query, page_min, page_max, out, p, q, hkv,
         *query.stride()[:3], *page_min.stride()[:3], *page_max.stride()[:3], *out.stride()[:3],
         G=g, D=d, DP=triton.next_power_of_2(d), BLOCK=block, REDUCE=_REDUCE[group_reduce], num_warps=4,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from sparsekv.kernels._tl_utils import pdl_enter
-from sparsekv.kernels._triton import pdl_launch
+from sparsekv.kernels._triton import MAX_GRID, check_grid, pdl_launch
 
 # output bits per program for decode queries ("auto": `decode_cols`); early: load the second layer's weights
 # before the first dot (scripts/gpu_probe.py hash / pair sweep both)
@@ -26,7 +26,7 @@ def _sms(device: torch.device) -> int:
 def decode_cols(programs: int, bits: int, sms: int) -> int:
     """Output bits per program of a decode hash whose grid has `programs` programs per block of output bits:
     the narrowest of 32 / 64 / 128 whose grid still holds one program per SM. With 3xTF32 a program takes 255
-    registers, so two do not share an SM. H200, Llama-3-8B shapes (results/kernels_s8/probe_chunk.log): B1
+    registers, so two do not share an SM. H200, Llama-3-8B shapes: B1
     (8 kv heads) 32 bits 8.6 us, 64 bits 9.6 us; B8 64 bits 9.8 us, 32 bits 15.6 us, 128 bits 13.6 us."""
     if TUNE["cols"] != "auto":
         return TUNE["cols"]
@@ -209,6 +209,9 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     bits = (w2 if w2 is not None else w1).shape[-1]
     g = heads // hkv
     m = g * q
+    if b > 1 and b * hkv > MAX_GRID[1]:  # grid axis y holds the (batch, kv head) pairs: big batches in slices
+        per = max(1, MAX_GRID[1] // hkv)
+        return torch.cat([sign_hash_triton(x[i : i + per], w1, w2, b1, wr, b2) for i in range(0, b, per)])
     # rows of one kv head's group are contiguous when x is [B, H, Q, d] contiguous: index them as (B, Hkv, M)
     x = x.contiguous()
     w1 = w1.contiguous()
@@ -222,7 +225,7 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     # program), so more programs with shorter dot chains and smaller second-layer weight loads
     cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, _sms(x.device)) if w2 is not None and m < 128 else bits
     cols = cols if bits % cols == 0 else bits
-    _sign_hash_kernel[(triton.cdiv(m, bm), b * hkv, bits // cols)](
+    _sign_hash_kernel[check_grid("sign_hash", x.shape, (triton.cdiv(m, bm), b * hkv, bits // cols))](
         x,
         w1,
         w2c,
@@ -271,7 +274,7 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
     out_q = torch.empty(b, hq, q, bits // 32, dtype=torch.int32, device=query.device)
     cols = decode_cols(b * hkv, bits, _sms(query.device)) if w2 is not None else bits
     cols = cols if bits % cols == 0 else bits
-    _sign_hash_pair_kernel[(b * hkv, bits // cols)](
+    _sign_hash_pair_kernel[check_grid("sign_hash_pair", query.shape, (b * hkv, bits // cols))](
         query,
         keys,
         key_mean,

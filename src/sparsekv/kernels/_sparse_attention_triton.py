@@ -12,8 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._tl_utils import pdl_enter
-from sparsekv.kernels._triton import interpreting, next_pow2, pdl_launch
+from sparsekv.kernels._tl_utils import chunk_and_row, pdl_enter
+from sparsekv.kernels._triton import (
+    MAX_TENSOR_NUMEL,
+    check_grid,
+    interpreting,
+    next_pow2,
+    pdl_launch,
+    row_grid,
+)
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
 TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
@@ -128,8 +135,7 @@ def _partial_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    sp = tl.program_id(0)
-    r = tl.program_id(1)
+    sp, r = chunk_and_row()
     qi = r % Q
     s = (r // Q) % S
     b = r // (Q * S)
@@ -138,8 +144,9 @@ def _partial_kernel(
     hmask = heads < G
     d = tl.arange(0, DP)
     dmask = d < D
+    q_row = q_ptr + b.to(tl.int64) * sqb + qi.to(tl.int64) * sqq
     q = tl.load(
-        q_ptr + b.to(tl.int64) * sqb + (s * G + heads[:, None]).to(tl.int64) * sqh + qi * sqq + d[None, :],
+        q_row + (s * G + heads[:, None]).to(tl.int64) * sqh + d[None, :],
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
@@ -220,6 +227,8 @@ def sparse_attention_triton(
         # at most one wave of sm_mult resident programs per SM: a partial second wave adds a whole program's
         # latency (H200, 128K x B8, 64 rows: 9 splits 39.6 us, 8 splits 36.0 us)
         splits = max(1, min(TUNE["sm_mult"] * sms // rows, triton.cdiv(kk, block)))
+    # the combine reads [SP, DP] partials as one Triton tensor (only an explicit `splits` nears its limit)
+    splits = min(splits, MAX_TENSOR_NUMEL // next_pow2(d))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
     splits = max(1, triton.cdiv(kk, split_len))
     o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
@@ -230,8 +239,12 @@ def sparse_attention_triton(
     # spreads the merge over more SMs and its launch overlaps (PDL): 32K x B1, 88 programs, 8.0 vs 8.5 us
     if merge is None:
         merge = splits * rows > sms
+    # the merge reads a [GC, SP, DP] tile of partials: over Triton's tensor limit (triton 3.9 does not compile
+    # it) for many splits of a wide row (MQA, 8 heads x d 256, one row: 528 splits on an H100), which the
+    # combine kernel then merges
     merge = merge and tickets is not None
-    _partial_kernel[(splits, rows)](
+    merge = merge and next_pow2(heads_per_row) * next_pow2(splits) * next_pow2(d) <= MAX_TENSOR_NUMEL
+    _partial_kernel[row_grid("sparse_attention", query.shape, splits, rows)](
         query,
         keys,
         values,
@@ -270,6 +283,7 @@ def sparse_attention_triton(
     )
     if merge:
         return out
-    _combine_kernel[(b * hq * q,)](o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits),
-                                   **pdl_launch(query.device))  # fmt: skip
+    _combine_kernel[check_grid("sparse_attention", query.shape, (b * hq * q,))](
+        o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits), **pdl_launch(query.device)
+    )
     return out

@@ -33,6 +33,13 @@ def popcount_tl(x, USE_POPC: tl.constexpr):
 
 
 @triton.jit
+def chunk_and_row():
+    """(chunk, row) of this program in a `_triton.row_grid` launch: the chunk on grid axis x, the row (over
+    batch x heads x queries) on axes y and z, row = y + z * (programs on axis y)."""
+    return tl.program_id(0), tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)
+
+
+@triton.jit
 def pdl_enter(USE_PDL: tl.constexpr):
     """Programmatic dependent launch (Hopper and newer): wait until the previous kernel's writes are visible, then let the
     next kernel's launch start. Called first in a kernel, so nothing is read or written before the wait; what

@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sparsekv.kernels._triton import check_grid
+
 
 @triton.jit
 def _top_p_kernel(w_ptr, v_ptr, out_ptr, K, sw, sv, so, p, eps, MAX_ITERS: tl.constexpr, BLOCK: tl.constexpr):
@@ -68,6 +70,7 @@ def top_p_threshold_triton(weights: torch.Tensor, valid: torch.Tensor, p: float)
     v = v if v.stride(-1) == 1 else v.contiguous()
     out = torch.empty(rows, k, dtype=torch.int8, device=weights.device)
     block = min(4096, triton.next_power_of_2(max(k, 16)))
-    _top_p_kernel[(rows,)](weights, v, out, k, weights.stride(0), v.stride(0), out.stride(0), float(p), EPS,
-                           MAX_ITERS=MAX_ITERS, BLOCK=block, num_warps=4 if block <= 1024 else 8)  # fmt: skip
+    grid = check_grid("top_p_threshold", weights.shape, (rows,))  # one program per row, on axis x
+    _top_p_kernel[grid](weights, v, out, k, weights.stride(0), v.stride(0), out.stride(0), float(p), EPS,
+                        MAX_ITERS=MAX_ITERS, BLOCK=block, num_warps=4 if block <= 1024 else 8)  # fmt: skip
     return out.view(torch.bool)

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sparsekv.kernels._tl_utils import pdl_enter, popcount_tl, scatter_store_i64
-from sparsekv.kernels._triton import pdl_launch
+from sparsekv.kernels._tl_utils import chunk_and_row, pdl_enter, popcount_tl, scatter_store_i64
+from sparsekv.kernels._triton import pdl_launch, row_grid
 
 INT_DIGIT_BITS = 5
 FLOAT_DIGIT_BITS = 8
@@ -51,7 +51,8 @@ def derive_threshold(
     gt_chunk = tl.zeros([CP], dtype=tl.int32)
     eq_chunk = tl.zeros([CP], dtype=tl.int32)
     for level in tl.static_range(LEVELS):
-        base = hist_ptr + ((level * num_rows + r) * num_chunks) * NB
+        # int64: levels x rows x chunks x bins can pass 2**31 (float keys, 256 bins: 4 levels of 2M rows)
+        base = hist_ptr + ((level * num_rows + r.to(tl.int64)) * num_chunks) * NB
         h = tl.load(base + chunks[:, None] * NB + bins[None, :], mask=cmask[:, None], other=0)
         tot = tl.sum(h, axis=0)
         ge = tl.sum(tot, axis=0) - tl.cumsum(tot, axis=0) + tot  # keys with digit >= bin
@@ -85,8 +86,9 @@ def window_threshold(hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS
     whether the threshold bin holds a single score (then it is exact and the radix levels are not needed)."""
     NB: tl.constexpr = 1 << NBITS
     base = tl.load(base_ptr + r)
+    window = tl.full([], LEVELS, tl.int64) * num_rows * num_chunks * NB  # int64, as every histogram offset
     t, k_rem, gt_chunk, eq_chunk = derive_threshold(
-        hist_ptr + LEVELS * num_rows * num_chunks * NB, r, num_rows, num_chunks, k, 1, NBITS, CP
+        hist_ptr + window, r, num_rows, num_chunks, k, 1, NBITS, CP
     )
     exact = ((t >= 1) & (t <= NB - 2)) | ((t == 0) & (base == 0)) | ((t == NB - 1) & (base + NB - 1 >= top))
     return t, k_rem, gt_chunk, eq_chunk, base, exact
@@ -216,8 +218,7 @@ def _hist_kernel(
     USE_PDL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    c = tl.program_id(0)
-    r = tl.program_id(1)
+    c, r = chunk_and_row()
     if WINDOW:  # the radix levels run only for rows whose threshold fell outside the window
         _t, _k, _g, _e, _b, exact = window_threshold(
             hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
@@ -267,7 +268,7 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
             h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
     if PACKED:
         h = packed_counts(acc, PACKED)
-    out = hist_ptr + ((LEVEL * num_rows + r) * num_chunks + c) * (1 << NBITS)
+    out = hist_ptr + ((LEVEL * num_rows + r.to(tl.int64)) * num_chunks + c) * (1 << NBITS)
     tl.store(out + tl.arange(0, 1 << NBITS), h)
 
 
@@ -342,8 +343,7 @@ def _compact_kernel(
     INLINE_STORE: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
-    c = tl.program_id(0)
-    r = tl.program_id(1)
+    c, r = chunk_and_row()
     thr, need_eq, base_gt, base_eq, eq_chunk = row_threshold(
         hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
@@ -496,8 +496,7 @@ def _compact_pairs_kernel(
     32-bit add, turns its 2W keys into two bit masks, and the block scan runs over one count pair per thread
     instead of one per key."""
     pdl_enter(USE_PDL)
-    c = tl.program_id(0)
-    r = tl.program_id(1)
+    c, r = chunk_and_row()
     KEYS: tl.constexpr = 2 * W
     R: tl.constexpr = BLOCK // KEYS
     words_row = (src_ptr + r.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
@@ -509,7 +508,7 @@ def _compact_pairs_kernel(
     cols = tl.arange(0, W)
     # pairs_ok: rows are 16-byte aligned and n_load a multiple of KEYS, so a row that starts below the limit
     # lies inside the buffer, and a mask of one value per row keeps the load one vector. The first tile is
-    # requested before the threshold is derived: its latency overlaps the histogram reads (v42).
+    # requested before the threshold is derived: its latency overlaps the histogram reads.
     widx = chunk0 // 2 + rows[:, None] * W + cols[None, :]
     nxt = tl.load(words_row + widx, mask=(chunk0 + rows * KEYS < limit)[:, None], other=0)
     thr, need_eq, base_gt, base_eq, _ = row_threshold(
@@ -555,7 +554,7 @@ def chunking(
     # progs_per_sm programs per SM at most: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave
     # (H200: score + select 86.4 us, 79.9 us in 16 chunks). Whether they are one wave depends on the compiled
     # kernel: triton 3.6 gives the scorer 72 registers, 7 programs per SM, and capping it at 8 was slower
-    # (docs/kernels-notes.md v44)
+    # (docs/kernels-notes.md, Hamming scorer)
     want_chunks = min(max_chunks, max(1, progs_per_sm * sms // rows))
     # The last chunk always runs to the end of the row. A row a tile or two longer than want_chunks equal
     # chunks (decode lengths 2**17 + t: 257 tiles of 512 for 16 chunks) gives those tiles to the last chunk
@@ -585,7 +584,7 @@ def int_levels(num_values: int) -> tuple[int, int]:
 
 
 def _sblock(chunk_len: int) -> int:
-    # measured on the H200 (docs/kernels-notes.md v6, v24): whole-chunk tiles of 4096-8192 keys made the
+    # measured on the H200 (docs/kernels-notes.md): whole-chunk tiles of 4096-8192 keys made the
     # compaction 1.5x slower than a loop over 512-key tiles; 512 keys with 2 warps (SELECT_TUNE) are the fastest
     return min(SELECT_TUNE["block"], triton.next_power_of_2(chunk_len))
 
@@ -618,7 +617,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
     chunk_len = bpc * block
     sb = _sblock(chunk_len)
     for level in range(1 if first_done else 0, levels):
-        _hist_kernel[(num_chunks, rows)](
+        _hist_kernel[row_grid("topk", src.shape, num_chunks, rows)](
             src, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
@@ -653,11 +652,11 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     # compaction launches early (PDL) and its programs sit resident while the level passes work. H200, same run:
     # in-window step 119.0 -> 117.5 us (128K x B8) and 32.6 -> 30.8 us (32K x B1), but a window miss 76 -> 108 us
     # and a B8 select without window 51 -> 72 us. Releasing the launch at the end of the level kernel instead gave
-    # back all four (kernel notes, v29); decoding is in the window 97-99.9% of steps, so the early launch stays.
+    # back all four (docs/kernels-notes.md); decoding is in the window 97-99.9% of steps, so the early launch stays.
     win = {"WINDOW": window is not None, "base_ptr": window[0] if window else None, "hint_ptr": hint,
            "top": window[1] if window else 0}  # fmt: skip
     if COMPACT_MODE["mode"] == "pairs" and pairs_ok(src, lo, is_float, n_load, chunk_len):
-        _compact_pairs_kernel[(num_chunks, rows)](
+        _compact_pairs_kernel[row_grid("topk", src.shape, num_chunks, rows)](
             src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
             BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
@@ -665,7 +664,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
         )  # fmt: skip
         return out
     cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out
-    _compact_kernel[(num_chunks, rows)](
+    _compact_kernel[row_grid("topk", src.shape, num_chunks, rows)](
         src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
         ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] != "scan_nobranch", REVERSE=reverse, PREFETCH=PREFETCH["on"],
