@@ -34,7 +34,7 @@ from sparsekv import SparseConfig
 
 
 def memory_section(model, tokenizer, quick: bool) -> dict:
-    from sparsekv.selectors.self_index import measure_cache_memory
+    from sparsekv.eval.cache_memory import measure_cache_memory
 
     out = {}
     # the compressed layers' ratio does not depend on which layers stay dense
@@ -138,16 +138,10 @@ def topk_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
 def iou_section(model, tokenizer, quick: bool) -> dict:
     from sparsekv.assets import haystack_text
     from sparsekv.kernels.bits import pack_sign_bits
+    from sparsekv.kernels.compressed_format import dequantize, quantize
     from sparsekv.kernels.hamming import hamming_scores
     from sparsekv.selectors.lsh import hash_codes, projection_matrix
-    from sparsekv.selectors.self_index import (
-        dequantize,
-        lut_scores,
-        one_pass_centroids,
-        quantize,
-        sign_codes,
-        value_rotation,
-    )
+    from sparsekv.selectors.self_index import lut_scores, one_pass_centroids, sign_codes, value_rotation
 
     def lut_and_rerank(q_group, k):
         """The LUT scores of q_group over k (mu, codebook and alpha from the prompt) and q . (sign x 3-bit |K|)."""

@@ -43,7 +43,7 @@ def run(args) -> None:
     from sparsekv.eval.common import ModelHandle
     from sparsekv.eval.ppl import PplSettings, run_ppl
     from sparsekv.models import load_model
-    from sparsekv.selectors import self_index
+    from sparsekv.selectors.self_index import rotation
 
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 on the GPU too
     model, tokenizer = load_model("default", dtype=torch.float32, device=args.device)
@@ -55,8 +55,8 @@ def run(args) -> None:
             seeds = args.seeds if method == "self-index" else args.seeds[:1]  # the others do not rotate
             config = SparseConfig(method=method, budget=0.1, options=options)
             for seed in seeds:
-                self_index.V_ROTATE_SEED = seed
-                self_index._ROTATION_BASE.clear()  # the QR base (head_dim not a power of two) depends on it
+                rotation.V_ROTATE_SEED = seed
+                rotation._ROTATION_BASE.clear()  # the QR base (head_dim not a power of two) depends on it
                 for start in args.windows:
                     begin = time.perf_counter()
                     settings = PplSettings(context=4096, prefix=3072, chunk=256, windows=1, start=start)
@@ -66,7 +66,7 @@ def run(args) -> None:
                            "device": args.device, "seconds": round(time.perf_counter() - begin, 1)}  # fmt: skip
                     print(json.dumps(row), flush=True)
                     out.write(json.dumps(row) + "\n")
-    self_index.V_ROTATE_SEED = SEEDS[0]
+    rotation.V_ROTATE_SEED = SEEDS[0]
 
 
 def table(path: Path) -> str:

@@ -97,10 +97,12 @@ def test_cli_compare_and_ppl_write_json_markdown_and_plot(tiny, tmp_path, monkey
     import typer
     from typer.testing import CliRunner
 
-    import sparsekv.cli
+    import sparsekv.models
     from sparsekv.eval.cli import register
 
-    monkeypatch.setattr(sparsekv.cli, "load", lambda model, device, dtype: (tiny.model, tiny.tokenizer))
+    monkeypatch.setattr(
+        sparsekv.models, "load_model", lambda spec, dtype, device: (tiny.model, tiny.tokenizer)
+    )
     text_file = tmp_path / "text.txt"
     from sparsekv.assets import haystack_text
 

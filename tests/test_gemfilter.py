@@ -9,20 +9,18 @@ from transformers import BatchEncoding
 
 import sparsekv
 from sparsekv import ConfigError, SparseConfig
+from sparsekv.eval.gemfilter_scan import ProbeResult, recommend_layer, selection_distance
 from sparsekv.prefill.gemfilter import (
     PAPER_OPTIONS,
     GemFilter,
-    ProbeResult,
     decoder_layers,
     default_filter_layer,
     gem_filter,
     kept_counts,
     last_selection,
     layer_scores,
-    recommend_layer,
     render_selection,
     resolve_filter_layer,
-    selection_distance,
 )
 
 
@@ -342,10 +340,10 @@ def test_selection_distance_and_recommendation():
 def test_cli_commands_registered():
     import typer
 
-    from sparsekv.prefill import gemfilter
+    from sparsekv.cli_methods import register
 
     app = typer.Typer()
-    gemfilter.register(app)
+    register(app)
     names = {command.name for command in app.registered_commands}
     assert {"gemfilter-scan", "gemfilter-generate"} <= names
     from typer.testing import CliRunner

@@ -10,29 +10,31 @@ import pytest
 import torch
 
 from sparsekv import SparseConfig
+from sparsekv.cache import cache_memory
 from sparsekv.config import ConfigError
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.kernels.bits import pack_sign_bits
+from sparsekv.kernels.compressed_format import (
+    V_CLIP_RATIOS,
+    dequantize,
+    dequantize_keys,
+    pack_bits,
+    quantize,
+    quantize_codes,
+    unpack_bits,
+)
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.selectors.base import LayerInfo
 from sparsekv.selectors.self_index import (
-    _BITREV4,
-    V_CLIP_RATIOS,
     SelfIndexSelector,
-    cache_memory,
     codes_from_sign_bits,
-    dequantize,
-    dequantize_keys,
     lut_scores,
-    magnitude_codes,
     one_pass_centroids,
-    pack_bits,
-    quantize,
     rotation_base,
     sign_codes,
-    unpack_bits,
     value_rotation,
 )
+from sparsekv.selectors.self_index.codes import _BITREV4
 from tests.helpers import run_chunks
 
 
@@ -155,47 +157,15 @@ def test_quantize_constant_group_is_exact():
     torch.testing.assert_close(back, x)
 
 
-def test_midrise_magnitudes_hand_case():
-    # 2 bits, max 8: scale = 8 / 4 = 2; q = min(floor(x / 2), 3); read (q + 1/2) x 2
+def test_scale_only_magnitudes_hand_case():
+    # the |K| codes: 2 bits, max 8, zero fixed at 0: scale = 8 / 3 (fp16 rounded up: 2.668), q = round(x / scale)
     g = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0, 8.0, 7.9, 5.0]])
-    codes, scale = magnitude_codes(g, 2, midrise=True)
-    assert scale.dtype == torch.float16 and scale.tolist() == [2.0]
-    assert codes.tolist() == [[0, 0, 1, 1, 2, 3, 3, 2]]
-    read = (codes.float() + 0.5) * scale.float()[..., None]
-    assert read.tolist() == [[1.0, 1.0, 3.0, 3.0, 5.0, 7.0, 7.0, 5.0]]
-    # mid-tread (the previous rule): scale = 8 / 3 (fp16 rounded up: 2.668), q = round(x / scale)
-    codes, scale = magnitude_codes(g, 2, midrise=False)
-    assert codes.tolist() == [[0, 0, 1, 1, 1, 3, 3, 2]] and scale.item() == pytest.approx(8 / 3, rel=1e-3)
-
-
-@pytest.mark.parametrize("bits", [2, 3, 4])
-def test_midrise_error_bound_and_mid_tread_equals_quantize(bits):
-    x = torch.rand(4, 3, 20, 2, 32, generator=torch.Generator().manual_seed(31)) * 3
-    codes, scale = magnitude_codes(x, bits, midrise=True)
-    assert int(codes.max()) < (1 << bits)
-    read = (codes.float() + 0.5) * scale.float()[..., None]
-    assert ((read - x).abs() <= scale.float()[..., None] / 2 * (1 + 1e-3)).all()
-    assert (scale.float() * (1 << bits) >= x.amax(-1)).all()  # the levels cover the max (fp16 rounded up)
-    # mid-tread without clipping is exactly the scale-only `quantize`
-    codes, scale = magnitude_codes(x, bits, midrise=False)
-    packed, ref_scale, _ = quantize(x.flatten(-2), bits, 32, with_zero=False)
-    assert torch.equal(scale, ref_scale) and torch.equal(pack_bits(codes.flatten(-2), bits), packed)
-
-
-def test_clipped_scales_never_increase_the_squared_error():
-    gen = torch.Generator().manual_seed(32)
-    x = torch.randn(500, 32, generator=gen).abs() ** 2  # heavy-tailed magnitudes: clipping should help some
-    for midrise in (True, False):
-        plain_q, plain_s = magnitude_codes(x, 3, midrise)
-        clip_q, clip_s = magnitude_codes(x, 3, midrise, clip=True)
-        off = 0.5 if midrise else 0.0
-
-        def err(q, sc, off=off):
-            return ((q.float() + off) * sc.float()[..., None] - x).square().sum(-1)
-
-        assert (err(clip_q, clip_s) <= err(plain_q, plain_s) + 1e-6).all()
-        assert (err(clip_q, clip_s) < err(plain_q, plain_s) - 1e-6).any()
-        assert (clip_s <= plain_s).all() and (clip_s.float() >= 0.69 * plain_s.float()).all()
+    codes, scale, zero = quantize_codes(g, 2, 8, with_zero=False)
+    assert zero is None and scale.dtype == torch.float16 and scale.item() == pytest.approx(8 / 3, rel=1e-3)
+    assert codes.tolist() == [[0, 0, 1, 1, 1, 3, 3, 2]]
+    assert (scale.float() * 3 >= 8).all()  # the levels cover the max
+    packed, packed_scale, _ = quantize(g, 2, 8, with_zero=False)
+    assert torch.equal(packed, pack_bits(codes, 2)) and torch.equal(packed_scale, scale)
 
 
 def test_clipped_value_ranges_never_increase_the_squared_error():
@@ -226,7 +196,7 @@ def test_clipped_value_ranges_never_increase_the_squared_error():
         errors.append((q * s[..., None] + z[..., None] - g).square().sum(-1))
     torch.testing.assert_close(err(clipped), torch.stack(errors, -1).amin(-1), rtol=1e-4, atol=1e-4)
     # chunks of groups (a long prefill) give the same codes and parameters
-    with patch("sparsekv.selectors.self_index._QUANT_CHUNK", 7):
+    with patch("sparsekv.kernels.compressed_format._QUANT_CHUNK", 7):
         chunked = quantize(x, 2, 64, clip=True)
     assert all(torch.equal(a, b) for a, b in zip(chunked, (packed, scale, zero)))
     # a hand case: 2 bits, values {0 x 63, 9}: the full range (scale 3) is best, nothing clips
@@ -268,34 +238,39 @@ def test_channel_axis_keys_round_trip():
     keys[:, :, 3] *= 30  # an outlier token
     values = torch.randn(1, 3, n, 64, generator=gen)
     query = torch.randn(1, 9, n, 64, generator=gen)
-    sel = prefilled(selector(sink_tokens=4, k_axis="channel", k_group=g, k_midrise=True, k_rotate=False),
+    sel = prefilled(selector(sink_tokens=4, k_axis="channel", k_group=g, k_rotate=False),
                     keys, values, query)  # fmt: skip
-    assert sel._k_pad == 24 and sel._k_blocks.length == 7 and sel._k_done == n
-    scale = sel._k_blocks.view("k_scale").float()  # [1, 3, 7, 64]
-    x = (keys - sel.mu).abs() / sel.alpha
-    sinks = torch.zeros(1, 3, n, dtype=torch.bool).scatter(-1, sel.sink_positions.long(), True)
+    assert sel.kv.k_pad == 24 and sel.kv.k_blocks.length == 7 and sel.kv.k_done == n
+    scale = sel.kv.k_blocks.view("k_scale").float()  # [1, 3, 7, 64]
+    x = (keys - sel.mu).abs() / sel.kv.alpha
+    sinks = torch.zeros(1, 3, n, dtype=torch.bool).scatter(-1, sel.kv.sink_positions.long(), True)
     x = x.masked_fill(sinks[..., None], 0)
     x = torch.nn.functional.pad(x, (0, 0, 24, 0)).view(1, 3, 7, 32, 64).amax(3)
-    torch.testing.assert_close(scale, x / 8, rtol=2e-3, atol=0)  # 3 bits midrise: max / 8
+    torch.testing.assert_close(scale, x / 7, rtol=2e-3, atol=0)  # 3 bits, zero at 0: max / 7
     idx = torch.arange(n).view(1, 1, 1, n).expand(1, 3, 1, n)
-    k_hat = sel.gather_dequantized(idx, torch.tensor([n - 1]))[0][:, :, 0]
+    k_hat = sel.kv.gather_dequantized(idx, torch.tensor([n - 1]))[0][:, :, 0]
     row = (torch.arange(n) + 24) // 32
-    bound = scale[:, :, row] / 2 * sel.alpha * (1 + 1e-3) + 1e-5
+    bound = scale[:, :, row] / 2 * sel.kv.alpha * (1 + 1e-3) + 1e-5
     err = (k_hat - keys).abs()
     assert (err[~sinks] <= bound[~sinks]).all()
     torch.testing.assert_close(k_hat[sinks], keys[sinks].bfloat16().float())  # 16-bit copies
-    assert torch.equal(torch.sign(k_hat - sel.mu)[~sinks], torch.sign(keys - sel.mu)[~sinks])
+    # the stored sign is the key's (a magnitude on level 0 reads 0: the zero is a level of the scale-only codes)
+    same_sign = (torch.sign(k_hat - sel.mu) == torch.sign(keys - sel.mu)) | ((k_hat - sel.mu).abs() <= 1e-6)
+    assert same_sign[~sinks].all()
     # decode: 40 tokens -> one full block compressed, 8 left to the 16-bit residual block
     new_k, new_v = torch.randn(1, 3, 40, 64, generator=gen), torch.randn(1, 3, 40, 64, generator=gen)
     sel.store(new_k, new_v)
-    assert sel._k_blocks.length == 8 and sel._k_done == n + 32
+    assert sel.kv.k_blocks.length == 8 and sel.kv.k_done == n + 32
     idx = torch.arange(n, n + 32).view(1, 1, 1, 32).expand(1, 3, 1, 32)
-    k_hat = sel.gather_dequantized(idx, torch.tensor([n + 39]))[0][:, :, 0]  # block [n, n + 64) is the residual
+    # block [n, n + 64) is the residual
+    k_hat = sel.kv.gather_dequantized(idx, torch.tensor([n + 39]))[0][:, :, 0]
     torch.testing.assert_close(k_hat, new_k[:, :, :32].bfloat16().float())
-    k_hat = sel.gather_dequantized(idx, torch.tensor([n + 64]))[0][:, :, 0]  # next residual block: compressed
+    # the next residual block: compressed
+    k_hat = sel.kv.gather_dequantized(idx, torch.tensor([n + 64]))[0][:, :, 0]
     centred = new_k[:, :, :32].bfloat16().float() - sel.mu
-    step = centred.abs().div(sel.alpha).amax(2, keepdim=True) / 8
-    assert ((k_hat - new_k[:, :, :32].bfloat16().float()).abs() <= step / 2 * sel.alpha * 1.01 + 1e-5).all()
+    step = centred.abs().div(sel.kv.alpha).amax(2, keepdim=True) / 7
+    bound = step / 2 * sel.kv.alpha * 1.01 + 1e-5
+    assert ((k_hat - new_k[:, :, :32].bfloat16().float()).abs() <= bound).all()
 
 
 def test_k_axis_auto_resolution():
@@ -317,16 +292,16 @@ def test_compressed_keys_round_trip_error_and_signs():
     options = {"sink_tokens": 0, "k_axis": "token", "v_clip": False, "v_rotate": False, "k_rotate": False}
     sel = prefilled(selector(**options), keys, values, query)
     idx = torch.arange(200).view(1, 1, 1, 200).expand(1, 3, 1, 200)
-    k_hat, v_hat = sel.gather_dequantized(idx, torch.tensor([199]))
+    k_hat, v_hat = sel.kv.gather_dequantized(idx, torch.tensor([199]))
     k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
     centred = keys - sel.mu
     # K: sign kept exactly; magnitude error <= alpha * (half a step of the normalised group + fp16 zero)
-    mag_s = sel._store.view("k_scale")
-    bound = (mag_s.float() / 2 + 1e-3).repeat_interleave(sel.k_group, -1) * sel.alpha
+    mag_s = sel.kv.rows.view("k_scale")
+    bound = (mag_s.float() / 2 + 1e-3).repeat_interleave(sel.k_group, -1) * sel.kv.alpha
     assert ((k_hat - keys).abs() <= bound).all()
     nonzero = (k_hat - sel.mu).abs() > 1e-6
     assert torch.equal(torch.sign(k_hat - sel.mu)[nonzero], torch.sign(centred)[nonzero])
-    v_bound = (sel._store.view("v_scale").float() / 2 + 1e-3).repeat_interleave(sel.v_group, -1)
+    v_bound = (sel.kv.rows.view("v_scale").float() / 2 + 1e-3).repeat_interleave(sel.v_group, -1)
     assert ((v_hat - values).abs() <= v_bound).all()
     rel = ((k_hat - keys).norm() / keys.norm()).item()
     assert rel < 0.25, rel  # 2-bit magnitudes + exact signs
@@ -351,7 +326,7 @@ def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
 
     exact = torch.matmul(query[:, :, -1:].view(1, 3, 3, 1, 64).sum(2), keys.transpose(-1, -2))[:, :, 0]
     sel, mask = chosen(sink_tokens=4, rescore=10)
-    sinks = torch.zeros_like(mask).scatter(-1, sel.sink_positions.long(), True)
+    sinks = torch.zeros_like(mask).scatter(-1, sel.kv.sink_positions.long(), True)
     rest = exact.masked_fill(sinks, float("-inf")).topk(16, dim=-1).indices
     assert torch.equal(mask, sinks.scatter(-1, rest, True))
     lut_only = chosen(sink_tokens=4, rescore=0)[1]
@@ -397,7 +372,7 @@ def test_v_rotate_is_transparent_at_16_bits():
     rot = prefilled(selector(kv_bits=16, v_rotate=True), keys, values, query)
     plain = prefilled(selector(kv_bits=16, v_rotate=False), keys, values, query)
     r = value_rotation(64, rot.layer.layer_idx)
-    torch.testing.assert_close(rot._store.view("v_full"), values @ r, rtol=0, atol=1e-12)  # stored rotated
+    torch.testing.assert_close(rot.kv.rows.view("v_full"), values @ r, rtol=0, atol=1e-12)  # stored rotated
     step = _decode_step(rot, query[:, :, -1:], n, 30)
     picked = rot.select(step)
     assert torch.equal(picked.to_mask(n), plain.select(step).to_mask(n))  # K only: same selection
@@ -447,7 +422,7 @@ def test_k_rotate_stores_rotated_keys_and_keeps_every_dot_product():
     rot = prefilled(selector(kv_bits=16, k_rotate=True), keys, values, query)
     plain = prefilled(selector(kv_bits=16, k_rotate=False), keys, values, query)
     r = value_rotation(64, rot.layer.layer_idx)
-    torch.testing.assert_close(rot._store.view("k_full"), keys @ r, rtol=0, atol=1e-12)
+    torch.testing.assert_close(rot.kv.rows.view("k_full"), keys @ r, rtol=0, atol=1e-12)
     assert not torch.equal(rot.codes(), plain.codes())
     step = _decode_step(rot, query[:, :, -1:], n, 30)
     index = torch.randperm(n, generator=gen)[:40].view(1, 1, 1, 40).expand(2, 3, 1, 40)
@@ -469,7 +444,7 @@ def test_v_rotate_spreads_an_outlier_channel_over_the_2_bit_groups():
     errors = {}
     for rotate in (True, False):
         sel = prefilled(selector(sink_tokens=0, v_rotate=rotate, v_clip=False), keys, values, query)
-        v_hat = sel.unrotate_values(sel.gather_dequantized(idx, torch.tensor([n - 1]))[1])[:, :, 0]
+        v_hat = sel.kv.unrotate_values(sel.kv.gather_dequantized(idx, torch.tensor([n - 1]))[1])[:, :, 0]
         errors[rotate] = ((v_hat - values).norm() / values.norm()).item()
     assert errors[True] < 0.6 * errors[False], errors
 
@@ -482,10 +457,10 @@ def test_sinks_kept_full_precision_and_always_selected():
     keys, values = torch.randn(1, 3, 300, 64, generator=gen), torch.randn(1, 3, 300, 64, generator=gen)
     query = torch.randn(1, 9, 300, 64, generator=gen)
     sel = prefilled(selector(sink_tokens=8, sink_share=1.0, k_rotate=False), keys, values, query)
-    pos = sel.sink_positions.long()
+    pos = sel.kv.sink_positions.long()
     assert pos.shape == (1, 3, 8) and (pos.diff(dim=-1) > 0).all()
     idx = pos[:, :, None]  # [1, 3, 1, 8]
-    k_hat, _ = sel.gather_dequantized(idx, torch.tensor([299]))
+    k_hat, _ = sel.kv.gather_dequantized(idx, torch.tensor([299]))
     exact_k = keys.gather(2, pos[..., None].expand(-1, -1, -1, 64))
     torch.testing.assert_close(k_hat[:, :, 0], exact_k.bfloat16().float())
     # the selection puts them in whenever the budget allows
@@ -501,7 +476,7 @@ def test_sinks_kept_full_precision_and_always_selected():
     capped = prefilled(selector(sink_tokens=8, sink_share=0.2), keys, values, query)  # 6 of a 30 budget
     boosted = capped.score(step) >= 1.0e7  # [1, 3, 1, 300]
     assert (boosted.sum(-1) == 6).all()
-    best = capped.sink_positions.long().gather(-1, capped.sink_rank.long().argsort(-1)[..., :6])
+    best = capped.kv.sink_positions.long().gather(-1, capped.kv.sink_rank.long().argsort(-1)[..., :6])
     assert boosted[:, :, 0].gather(-1, best).all()
 
 
@@ -518,9 +493,9 @@ def test_statistics_ignore_left_padding():
         key_mask=torch.cat([torch.zeros(1, pad, dtype=torch.bool), torch.ones(1, 50, dtype=torch.bool)], 1),
     )  # fmt: skip
     torch.testing.assert_close(padded.mu, alone.mu)
-    torch.testing.assert_close(padded.alpha, alone.alpha)
-    torch.testing.assert_close(padded.centroids, alone.centroids)
-    assert torch.equal(padded.sink_positions - pad, alone.sink_positions)
+    torch.testing.assert_close(padded.kv.alpha, alone.kv.alpha)
+    torch.testing.assert_close(padded.kv.centroids, alone.kv.centroids)
+    assert torch.equal(padded.kv.sink_positions - pad, alone.kv.sink_positions)
     assert torch.equal(padded.codes()[:, :, pad:], alone.codes())
 
 
@@ -544,13 +519,13 @@ def ids_for(model, batch, length, seed):
     ("group", {"sink_tokens": 4, "residual": 8, "k_group": 8}),
     ("head", {"sink_tokens": 4, "residual": 8, "k_group": 4}),
     ("group", {"sink_tokens": 4, "residual": 8, "k_group": 8, "rescore": 2}),
-    ("head", {"sink_tokens": 2, "residual": 16, "k_group": 8, "k_clip": True}),
-    ("group", {"sink_tokens": 4, "residual": 8, "k_group": 4, "k_midrise": True, "v_clip": False}),
+    ("head", {"sink_tokens": 2, "residual": 16, "k_group": 8}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_group": 4, "v_clip": False}),
     ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "token"}),
     ("group", {"sink_tokens": 0, "residual": 0, "k_axis": "token"}),
     ("head", {"kv_bits": 4, "sink_tokens": 2, "residual": 5, "k_axis": "token"}),
     ("head", {"kv_bits": 16, "sink_tokens": 2, "rescore": 3}),
-    ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "token", "k_midrise": True, "k_clip": True}),
+    ("group", {"sink_tokens": 4, "residual": 8, "k_axis": "token", "k_zero": True}),  # the paper's |K| layout
 ])  # fmt: skip
 def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
     config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), gqa=gqa, options=options)
@@ -607,7 +582,10 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="residual"):
         SparseConfig(method="self-index", options={"k_axis": "channel", "residual": 0})
     with pytest.raises(ConfigError, match="k_zero"):
-        SparseConfig(method="self-index", options={"k_zero": True, "k_midrise": True})
+        SparseConfig(method="self-index", options={"k_axis": "channel", "k_zero": True})
+    for retired in ("k_midrise", "k_clip"):
+        with pytest.raises(ConfigError, match=retired):
+            SparseConfig(method="self-index", options={retired: False})
     for bad in ("yes", 1, None):
         for name in ("v_rotate", "k_rotate", "v_clip"):
             with pytest.raises(ConfigError, match=f"self-index {name} must be true or false"):
@@ -660,10 +638,10 @@ def test_cache_memory_report_on_a_model(tiny):
 def test_cli_command_is_registered():
     import typer
 
-    from sparsekv.selectors.self_index import register
+    from sparsekv.cli_methods import register_self_index
 
     app = typer.Typer()
-    register(app)
+    register_self_index(app)
     assert any(c.name == "cache-memory" for c in app.registered_commands)
 
 

@@ -6,12 +6,14 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from sparsekv.budget import budget_tokens
+from sparsekv.errors import ConfigError
+from sparsekv.registry import get_method_class, method_options
+
+__all__ = ["GQA_POLICIES", "ConfigError", "GQAPolicy", "SparseConfig"]
+
 GQAPolicy = Literal["group", "head"]
 GQA_POLICIES = ("group", "head")
-
-
-class ConfigError(ValueError):
-    """A SparseConfig (or an input to the pipeline) that cannot work; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,7 @@ class SparseConfig:
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from sparsekv.registry import (  # late: the registry imports the methods
-            get_method_class,
-            method_options,
-        )
-
+        # the registry imports no method module until asked (importlib), and none of sparsekv above errors.py
         accepted = method_options(self.method)  # raises ConfigError listing the known methods
         if self.budget is None:
             object.__setattr__(self, "budget", get_method_class(self.method).default_budget)
@@ -101,7 +99,6 @@ class SparseConfig:
             )
 
     def tokens_for(self, visible: int) -> int:
-        """Budget in tokens for a query that sees `visible` tokens (before sink/local are forced in)."""
-        if isinstance(self.budget, float):
-            return max(1, min(visible, math.ceil(self.budget * visible)))
-        return min(visible, self.budget)
+        """Budget in tokens for a query that sees `visible` tokens (before sink/local are forced in): the rule of
+        `sparsekv.budget`."""
+        return budget_tokens(self.budget, visible)

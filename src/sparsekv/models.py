@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from sparsekv.assets import _TMP_PREFIX, _remove_stale_tmp, cache_dir, default_model_file
+from sparsekv.errors import ConfigError
 
 __all__ = [
     "DEFAULT_MODEL_DIRNAME",
@@ -29,6 +30,7 @@ __all__ = [
     "default_model_dir",
     "load_model",
     "random_model",
+    "torch_dtype",
 ]
 
 _Loaded = tuple[PreTrainedModel, PreTrainedTokenizerBase]
@@ -48,6 +50,18 @@ class ModelLoadError(RuntimeError):
     """A model spec could not be resolved or loaded."""
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A dtype by name ("float32", "bfloat16", "float16", as the CLI and the eval harness give it)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Real models
 
@@ -55,13 +69,15 @@ class ModelLoadError(RuntimeError):
 def load_model(
     spec: str = "default",
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
     ``spec`` is ``"default"`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a local HF model dir or a hub id.
+    ``dtype`` is a torch dtype or its name (`torch_dtype`).
     """
+    dtype = torch_dtype(dtype)
     path = Path(spec).expanduser()
     if spec == "default":
         return _load_default(dtype, device)

@@ -1,18 +1,18 @@
 """Method registry: one line per method, loaded lazily so a broken optional method never breaks the others.
 
 Adding a method = one file under selectors/ (or prefill/) + one line here.
+
+A primitive at the bottom of the layers (docs/ARCHITECTURE.md): it imports only `sparsekv.errors`. The method
+modules are named here as strings and imported by `importlib` when asked for (a plug-in point, not an import
+arrow), so `sparsekv.config` can validate a config through the registry without an import cycle.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import TYPE_CHECKING
 
-from sparsekv.config import ConfigError
-
-if TYPE_CHECKING:
-    from sparsekv.selectors.base import TokenSelector
+from sparsekv.errors import ConfigError
 
 METHODS: dict[str, str] = {
     "dense": "sparsekv.selectors.dense:DenseSelector",
@@ -43,7 +43,8 @@ def available_methods() -> list[str]:
     return sorted(METHODS)
 
 
-def get_method_class(name: str) -> type[TokenSelector]:
+def get_method_class(name: str) -> type:
+    """The method's class (a `selectors.base.TokenSelector` subclass)."""
     if name not in METHODS:
         raise ConfigError(f"unknown method {name!r}; known methods: {', '.join(available_methods())}")
     return load(METHODS[name])
@@ -57,9 +58,5 @@ def get_top_p_pruner() -> type:
 
 
 def method_options(name: str) -> dict[str, dataclasses.Field]:
-    """The options a method accepts (its dataclass fields beyond the shared ones)."""
-    from sparsekv.selectors.base import TokenSelector
-
-    cls = get_method_class(name)
-    shared = {f.name for f in dataclasses.fields(TokenSelector)}
-    return {f.name: f for f in dataclasses.fields(cls) if f.name not in shared and f.init}
+    """The options a method accepts (its dataclass fields beyond the shared ones: `TokenSelector.option_fields`)."""
+    return get_method_class(name).option_fields()

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from sparsekv.budget import budget_tokens as rule_tokens
 from sparsekv.config import ConfigError
 
 SHAPES = {
@@ -44,8 +45,9 @@ def require_cuda() -> torch.device:
 
 
 def budget_tokens(budget: float, context: int) -> int:
-    """A budget given as a fraction (< 1) of the context or as a token count, in tokens."""
-    return max(1, int(budget * context) if budget < 1 else int(budget))
+    """A budget given as a fraction (< 1) of the context or as a token count (a whole float from the command line),
+    in tokens: the decode path's rule (`sparsekv.budget`, fractions rounded up)."""
+    return rule_tokens(float(budget) if budget < 1 else int(budget), context)
 
 
 def check_bench_args(batch: int, context: int, budget: float, shape: str) -> None:

@@ -43,9 +43,9 @@ class ModelHandle:
 
     def get(self) -> tuple[Any, Any]:
         if self.model is None:
-            from sparsekv.cli import load
+            from sparsekv.models import load_model  # late: transformers loads only when a model is needed
 
-            self.model, self.tokenizer = load(self.spec, self.device, self.dtype)
+            self.model, self.tokenizer = load_model(self.spec, dtype=self.dtype, device=self.device)
         return self.model, self.tokenizer
 
     def get_tokenizer(self) -> Any:
@@ -306,6 +306,7 @@ class Progress:
 
     def __enter__(self) -> Self:
         if not self.quiet:
+            from rich import get_console  # the CLI's console (`sparsekv.cli.console`)
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -315,12 +316,10 @@ class Progress:
             )
             from rich.progress import Progress as RichProgress
 
-            from sparsekv.cli import console
-
             self._progress = RichProgress(
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                 TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[label]}"),
-                console=console, transient=False,
+                console=get_console(), transient=False,
             )  # fmt: skip
             self._progress.__enter__()
             self._task = self._progress.add_task(self.description, total=self.total, label="")

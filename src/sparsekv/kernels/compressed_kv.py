@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsekv.kernels.compressed_format import dequantize, dequantize_keys
+
 
 @dataclass
 class CompressedKV:
@@ -62,8 +64,6 @@ def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def centred_keys_reference(kv: CompressedKV, index: torch.Tensor) -> torch.Tensor:
     """K - mu [B, H, Q, K, d] float32 of the compressed rows `index` [B, H, Q, K] (no 16-bit copies)."""
-    from sparsekv.selectors.self_index import dequantize_keys
-
     rows = index
     if kv.k_scale_tokens > 1:
         rows = ((index + kv.k_scale_offset) // kv.k_scale_tokens).clamp(max=kv.k_scale.shape[2] - 1)
@@ -123,8 +123,6 @@ def compressed_attention_reference(
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; indices / valid [B, Hkv, Q, K] (each row shared by its GQA group); tail_from [Q]
     int. Returns [B, Hq, Q, d] in the query's dtype, computed in float32 over the dequantized rows."""
-    from sparsekv.selectors.self_index import dequantize
-
     b, hq, q, d = query.shape
     h = indices.shape[1]
     keys = _with_copies(centred_keys_reference(kv, indices) + kv.mu[:, :, None], kv, indices, tail_from,

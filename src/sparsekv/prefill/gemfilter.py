@@ -34,7 +34,8 @@ is returned unchanged without a filter pass, so the output is exactly dense gene
 
 The kept tokens of the latest `filter_prompt` call are attached to the model (`last_selection(model)`), which the
 `sparsekv gemfilter-generate --show-selected` command prints. `sparsekv gemfilter-scan` probes every layer with
-needle prompts (the paper's Fig. 5: distance between the needle and the selected tokens) and recommends r.
+needle prompts (the paper's Fig. 5: distance between the needle and the selected tokens) and recommends r
+(`sparsekv.eval.gemfilter_scan`; the commands live in `sparsekv.cli_methods`).
 """
 
 import dataclasses
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from sparsekv.budget import budget_tokens
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.selectors.base import TokenSelector
 
@@ -54,7 +56,6 @@ __all__ = [
     "PAPER_OPTIONS",
     "FilterResult",
     "GemFilter",
-    "ProbeResult",
     "decoder_layers",
     "default_filter_layer",
     "gem_filter",
@@ -62,10 +63,8 @@ __all__ = [
     "last_query_scores",
     "last_selection",
     "layer_scores",
-    "recommend_layer",
     "render_selection",
     "resolve_filter_layer",
-    "scan_layers",
     "select_tokens",
     "window_scores",
 ]
@@ -277,12 +276,9 @@ def pool_scores(scores: torch.Tensor, valid: torch.Tensor, pool: int) -> torch.T
 
 
 def kept_counts(keep: float, lengths: Sequence[int]) -> list[int]:
-    """Tokens kept per row: `keep` tokens (int) or ceil(keep * length) (float), within [1, length]."""
-    counts = []
-    for length in lengths:
-        wanted = math.ceil(keep * length) if isinstance(keep, float) else keep
-        counts.append(max(1, min(int(length), int(wanted))))
-    return counts
+    """Tokens kept per row: `keep` tokens (int) or ceil(keep * length) (float), within [1, length] (the budget
+    rule, `sparsekv.budget`)."""
+    return [budget_tokens(keep, int(length)) for length in lengths]
 
 
 def select_tokens(pooled: torch.Tensor, valid: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
@@ -484,280 +480,3 @@ class GemFilter(TokenSelector):
         result = gem_filter(model, input_ids, attention_mask, **cls.options_of(config))
         setattr(model, _LAST_ATTR, result)
         return result.input_ids, result.attention_mask
-
-
-# ------------------------------------------------------------------------------------------- filter-layer scan
-
-
-@dataclass
-class ProbeResult:
-    """One needle prompt: per layer, how far the selection is from the needle and how much of it it holds."""
-
-    context: int
-    depth: float
-    prompt_tokens: int
-    needle: tuple[int, int]  # token span [start, end) of the needle in the prompt
-    distance: list[int]  # per layer: min |selected - needle| (0 = a needle token is selected)
-    coverage: list[float]  # per layer: fraction of the needle's tokens selected
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def needle_span(tokenizer, prompt: str, needle: str) -> tuple[list[int], tuple[int, int]]:
-    """(prompt token ids, [start, end) token span of the needle's characters)."""
-    start_char = prompt.find(needle)
-    if start_char < 0:
-        raise ValueError("the needle is not in the prompt")
-    end_char = start_char + len(needle)
-    if getattr(tokenizer, "is_fast", False):
-        encoded = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)
-        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
-        inside = [i for i, (a, b) in enumerate(offsets) if a < end_char and b > start_char]
-        return ids, (inside[0], inside[-1] + 1)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    start = len(tokenizer.encode(prompt[:start_char], add_special_tokens=False))
-    end = len(tokenizer.encode(prompt[:end_char], add_special_tokens=False))
-    return ids, (start, max(end, start + 1))
-
-
-def selection_distance(kept: torch.Tensor, span: tuple[int, int]) -> tuple[int, float]:
-    start, end = span
-    inside = ((kept >= start) & (kept < end)).sum().item()
-    if inside:
-        return 0, inside / (end - start)
-    gaps = torch.minimum((kept - start).abs(), (kept - (end - 1)).abs())
-    return int(gaps.min()), 0.0
-
-
-@torch.no_grad()
-def scan_layers(
-    model,
-    tokenizer,
-    contexts: Sequence[int] = (1000, 2000, 3000),
-    depths: Sequence[float] = (0.25, 0.5, 0.75),
-    keep: float = 256,
-    pool: int = 31,
-    progress: Callable[[str], None] | None = None,
-    window: int = 8,
-) -> list[ProbeResult]:
-    """Needle probes over every layer (one forward pass per prompt, the last layer's attention skipped)."""
-    from sparsekv.eval.haystack import NEEDLE, needle_prompt
-    from sparsekv.models import chat_prompt
-
-    device = next(model.parameters()).device
-    num_layers = num_layers_of(model)
-    results = []
-    for context in contexts:
-        for depth in depths:
-            if progress:
-                progress(f"context {context}, depth {depth}")
-            prompt = chat_prompt(tokenizer, needle_prompt(tokenizer, context_tokens=context, depth=depth))
-            ids, span = needle_span(tokenizer, prompt, NEEDLE)
-            input_ids = torch.tensor([ids], device=device)
-            mask = torch.ones_like(input_ids)
-            scores = layer_scores(model, input_ids, mask, range(num_layers), window)
-            counts = kept_counts(keep, [len(ids)])
-            distance, coverage = [], []
-            for layer in range(num_layers):
-                pooled = pool_scores(scores[layer], mask.bool(), pool)
-                kept = select_tokens(pooled, mask.bool(), counts)[0].cpu()
-                d, c = selection_distance(kept, span)
-                distance.append(d)
-                coverage.append(c)
-            results.append(ProbeResult(context, depth, len(ids), span, distance, coverage))
-    return results
-
-
-def recommend_layer(probes: Sequence[ProbeResult], min_coverage: float = 0.5) -> int:
-    """The first layer whose selection holds at least `min_coverage` of the needle in every probe (the paper takes
-    the first layer that finds the needle); else the layer with the best mean coverage."""
-    num_layers = len(probes[0].coverage)
-    for layer in range(num_layers):
-        if all(p.distance[layer] == 0 and p.coverage[layer] >= min_coverage for p in probes):
-            return layer
-    mean = [sum(p.coverage[layer] for p in probes) / len(probes) for layer in range(num_layers)]
-    return max(range(num_layers), key=lambda layer: (mean[layer], -layer))
-
-
-# ------------------------------------------------------------------------------------------------------ CLI
-
-
-def _parse_list(text: str, kind: type, name: str) -> list:
-    try:
-        return [kind(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ConfigError(f"--{name} expects comma-separated {kind.__name__}s, got {text!r}") from None
-
-
-def register(app) -> None:
-    """Adds `sparsekv gemfilter-scan` and `sparsekv gemfilter-generate`."""
-    from pathlib import Path
-    from typing import Annotated
-
-    import typer
-    from rich.table import Table
-
-    from sparsekv.cli import (
-        DeviceOpt,
-        DtypeOpt,
-        ModelOpt,
-        OutputOpt,
-        console,
-        format_stats,
-        load,
-        parse_count_or_fraction,
-        write_json,
-    )
-
-    @app.command("gemfilter-scan")
-    def gemfilter_scan(
-        model: ModelOpt = "default",
-        contexts: Annotated[
-            str, typer.Option(help="comma-separated haystack lengths (tokens)")
-        ] = "1000,2000,3000",
-        depths: Annotated[
-            str, typer.Option(help="comma-separated needle depths in [0, 1]")
-        ] = "0.25,0.5,0.75",
-        keep: Annotated[str, typer.Option(help="tokens kept (int) or fraction")] = "256",
-        pool: Annotated[int, typer.Option(help="average-pool kernel (the paper: 5)")] = GemFilter.pool,
-        window: Annotated[
-            int, typer.Option(help="queries scoring the tokens (the paper: 1)")
-        ] = GemFilter.window,
-        device: DeviceOpt = "cpu",
-        dtype: DtypeOpt = "float32",
-        output: OutputOpt = None,
-    ) -> None:
-        """Needle probe over layers: distance between the needle and the selected tokens per layer (GemFilter
-        Fig. 5); recommends the filter layer."""
-        keep_value = parse_count_or_fraction(keep, "--keep")
-        _check_options(keep_value, None, pool, window)
-        context_list = _parse_list(contexts, int, "contexts")
-        depth_list = _parse_list(depths, float, "depths")
-        loaded, tokenizer = load(model, device, dtype)
-        with console.status("probing...") as status:
-            probes = scan_layers(
-                loaded,
-                tokenizer,
-                context_list,
-                depth_list,
-                keep_value,
-                pool,
-                progress=lambda text: status.update(f"probing {text}"),
-                window=window,
-            )
-        best = recommend_layer(probes)
-        num_layers = len(probes[0].distance)
-        table = Table("layer", *(f"{p.context}@{p.depth:g}" for p in probes), "mean coverage")
-        for layer in range(num_layers):
-            cells = [
-                f"{p.distance[layer]}" + ("" if p.distance[layer] else f" ({p.coverage[layer]:.0%})")
-                for p in probes
-            ]
-            mean = sum(p.coverage[layer] for p in probes) / len(probes)
-            table.add_row(f"{layer}{' *' if layer == best else ''}", *cells, f"{mean:.0%}")
-        console.print(table)
-        console.print(
-            f"distance = min |selected - needle| in tokens (0 = needle kept; % = needle tokens kept), "
-            f"keep={keep_value}. Recommended filter_layer: {best} "
-            f"(default {default_filter_layer(num_layers)} of {num_layers})."
-        )
-        write_json(
-            output,
-            {
-                "model": model,
-                "keep": keep_value,
-                "pool": pool,
-                "window": window,
-                "recommended_layer": best,
-                "default_layer": default_filter_layer(num_layers),
-                "probes": [p.to_dict() for p in probes],
-            },
-        )
-
-    @app.command("gemfilter-generate")
-    def gemfilter_generate(
-        prompt: Annotated[str | None, typer.Option(help="the prompt (chat template applied)")] = None,
-        prompt_file: Annotated[Path | None, typer.Option(help="read the prompt from this file")] = None,
-        needle_context: Annotated[
-            int | None, typer.Option(help="use a needle prompt of this many tokens")
-        ] = None,
-        depth: Annotated[float, typer.Option(help="needle depth for --needle-context")] = 0.5,
-        model: ModelOpt = "default",
-        keep: Annotated[str, typer.Option(help="tokens kept (int) or fraction")] = "1024",
-        filter_layer: Annotated[
-            str | None,
-            typer.Option(help="0-based filter layer, or a fraction of the depth like 0.4 (default 0.6)"),
-        ] = None,
-        pool: Annotated[int, typer.Option(help="average-pool kernel (the paper: 5)")] = GemFilter.pool,
-        window: Annotated[
-            int, typer.Option(help="queries scoring the tokens (the paper: 1)")
-        ] = GemFilter.window,
-        max_new_tokens: int = 32,
-        raw: Annotated[bool, typer.Option(help="do not apply the chat template")] = False,
-        show_selected: Annotated[bool, typer.Option(help="print the kept prompt text")] = False,
-        selected_output: Annotated[Path | None, typer.Option(help="save the kept prompt text here")] = None,
-        device: DeviceOpt = "cpu",
-        dtype: DtypeOpt = "float32",
-        output: OutputOpt = None,
-    ) -> None:
-        """Generate with GemFilter; --show-selected prints the prompt text the filter kept."""
-        import sparsekv
-        from sparsekv.cli import UserError
-        from sparsekv.models import chat_prompt
-
-        if sum(x is not None for x in (prompt, prompt_file, needle_context)) != 1:
-            raise UserError("give exactly one of --prompt, --prompt-file, --needle-context")
-        layer = None
-        if filter_layer is not None:
-            try:
-                layer = parse_count_or_fraction(filter_layer, "--filter-layer")
-            except ConfigError:
-                raise ConfigError(
-                    f"--filter-layer must be a layer index or a fraction of the depth like 0.4, got {filter_layer!r}"
-                ) from None
-        options = {
-            "keep": parse_count_or_fraction(keep, "--keep"),
-            "filter_layer": layer,
-            "pool": pool,
-            "window": window,
-        }
-        config = SparseConfig(method="gemfilter", options=options)
-        loaded, tokenizer = load(model, device, dtype)
-        if needle_context is not None:
-            from sparsekv.eval.haystack import needle_prompt
-
-            text = needle_prompt(tokenizer, context_tokens=needle_context, depth=depth)
-        else:
-            text = prompt if prompt is not None else prompt_file.read_text()
-        text = text if raw else chat_prompt(tokenizer, text)
-        result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens)
-        selection = last_selection(loaded)
-        kept_text = render_selection(tokenizer, selection) if selection is not None else text
-        if show_selected:
-            console.rule("kept prompt")
-            console.print(kept_text, markup=False, highlight=False)
-            console.rule()
-        if selected_output is not None:
-            selected_output.parent.mkdir(parents=True, exist_ok=True)
-            selected_output.write_text(kept_text + "\n")
-        console.print(result.texts[0], markup=False, highlight=False)
-        summary = (
-            (
-                f"kept {len(selection.kept[0])} of {selection.prompt_lengths[0]} prompt tokens at layer "
-                f"{selection.filter_layer} (filter pass {selection.seconds:.2f}s)"
-            )
-            if selection
-            else ""
-        )
-        console.print(f"{summary}; {format_stats(result)}", style="dim")
-        write_json(
-            output,
-            {
-                "model": model,
-                "options": options,
-                "kept_text": kept_text,
-                **(selection.to_dict() if selection else {}),
-                **result.to_dict(),
-            },
-        )

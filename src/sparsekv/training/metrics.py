@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from sparsekv.budget import budget_tokens
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores_reference
 from sparsekv.selectors.spotlight import LayerHash
@@ -64,7 +63,7 @@ def layer_iou(
     hkv = k.shape[1]
     g = hq // hkv
     visible = torch.arange(length)[None, :] <= positions[:, None]  # [P, L]
-    kk = torch.tensor([max(1, min(int(p) + 1, math.ceil(budget * (int(p) + 1)))) for p in positions])
+    kk = torch.tensor([budget_tokens(float(budget), int(p) + 1) for p in positions])
     key_pos = torch.arange(length, dtype=torch.int64)
     sums = {p: torch.zeros(hkv if p == "group" else hq) for p in policies}
     for w in range(w_count):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from sparsekv.budget import budget_tokens_tensor
 from sparsekv.config import ConfigError
 from sparsekv.selectors.spotlight import (
     HASH_KINDS,
@@ -142,7 +143,7 @@ def train_layer(
         visible = key_pos[None, :] <= t[:, None]  # [gBq, L]
         with torch.no_grad():
             logits = torch.matmul(qs, ks.transpose(-1, -2)).masked_fill(~visible, float("-inf"))
-            count = torch.ceil(cfg.top_fraction * (t + 1).double()).long().clamp(min=1)
+            count = budget_tokens_tensor(float(cfg.top_fraction), t + 1)  # the decode path's rounding
             k_max = int(count.max())
             pos_idx = logits.topk(k_max, dim=-1).indices  # [Hkv, gBq, k_max]
             pos_valid = (torch.arange(k_max, device=device) < count[:, None]).expand_as(pos_idx)

@@ -1,0 +1,54 @@
+"""The self-index decode step on the kernels: the re-rank and the attention read only the listed tokens' bytes of
+the compressed cache (`kernels.compressed_kv`), instead of gathering and dequantizing them into float32 tensors
+in torch (`CompressedStore.read_keys` / `gather_dequantized`). Same results (tests compare them)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sparsekv.kernels.compressed_kv import compressed_attention, compressed_key_scores
+
+if TYPE_CHECKING:
+    from sparsekv.selectors.base import DecodeStep, Selection
+    from sparsekv.selectors.self_index.store import CompressedStore
+
+
+def applies(kv: CompressedStore, step: DecodeStep) -> bool:
+    """Compressed float32 state, rows per kv head (GQA "group"), and a device the kernels run on."""
+    from sparsekv.kernels._triton import use_triton
+
+    return (
+        kv.compressed
+        and kv.mu is not None
+        and kv.mu.dtype == torch.float32
+        and (step.gqa == "group" or step.query.shape[1] == kv.num_kv_heads)  # per-head rows: no GQA group
+        and use_triton(step.query, kv.mu)
+    )
+
+
+def _tail_from(kv: CompressedStore, q_len: int, device: torch.device) -> torch.Tensor:
+    n = kv.rows.length
+    return kv.tail_from(torch.arange(n - q_len, n, device=device))
+
+
+def candidate_scores(kv: CompressedStore, step: DecodeStep, index: torch.Tensor) -> torch.Tensor | None:
+    """`SelfIndexSelector._candidate_scores` on the kernels, or None where they do not apply."""
+    if not applies(kv, step):
+        return None
+    b, _, q_len, d = step.query.shape
+    query = step.query.float().view(b, kv.num_kv_heads, -1, q_len, d).sum(2)
+    return compressed_key_scores(query, kv.kernel_view(), index, _tail_from(kv, q_len, index.device))
+
+
+def attend(
+    kv: CompressedStore, step: DecodeStep, selection: Selection, scaling: float
+) -> torch.Tensor | None:
+    """`SelfIndexSelector.attend` on the kernels, or None where they do not apply. With v_rotate the kernels attend
+    over the stored V R and return out R; `SelfIndexSelector.attend` un-rotates it."""
+    if not applies(kv, step) or selection.indices.shape[1] != kv.num_kv_heads:
+        return None
+    q_len = step.query.shape[2]
+    return compressed_attention(step.query, kv.kernel_view(), selection.indices, selection.valid, scaling,
+                                _tail_from(kv, q_len, step.query.device))  # fmt: skip

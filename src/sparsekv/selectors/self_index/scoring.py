@@ -1,0 +1,104 @@
+"""First-stage scores of the self-index: the LUT over the sign codes, and the sink tokens (chosen SnapKV-style at the
+prefill, then put first in every selection, at most `sink_share` of a query's budget).
+
+`lut_scores` here is the torch reference for gqa="head" and float64; GQA "group" steps go through
+`kernels.lut_score` (Triton on CUDA). The second stage (the re-rank by q . K as attention reads K) is
+`SelfIndexSelector._rescored` over `CompressedStore.read_keys`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparsekv.selectors.self_index.codes import GROUP_DIMS
+
+SNAP_WINDOW = 32  # prompt queries that vote for the sink tokens
+SNAP_KERNEL = 5  # avg-pooling width of the SnapKV votes
+SINK_BASE = 1.0e7  # sink scores: SINK_BASE + (sinks - rank), exact in float32 and above any LUT score
+SENTINEL = 2**31 - 1  # sink position of an unused sink slot (sorts last, never matches a key)
+
+
+def lut_scores(
+    query: torch.Tensor, centroids: torch.Tensor, codes: torch.Tensor, max_elements: int = 1 << 25
+) -> torch.Tensor:
+    """Compressed-domain q.k: query [B, S, Q, d] (S a multiple of the kv heads), centroids [B, Hkv, G, 16, 4],
+    codes [B, Hkv, N, G] -> [B, S, Q, N] = sum_g (q_g . centroid[g, code_g]) in the centroids' dtype.
+
+    Reference implementation (table then gather + sum over groups, in a fixed order, so a query's scores do not
+    depend on how many queries are scored together).
+    """
+    b, s, q, _ = query.shape
+    hkv, n, groups = codes.shape[1], codes.shape[2], codes.shape[3]
+    rep = s // hkv
+    cents = centroids.repeat_interleave(rep, dim=1) if rep > 1 else centroids
+    table = torch.einsum(
+        "bsqgi,bsgci->bsqgc", query.to(centroids.dtype).unflatten(-1, (groups, GROUP_DIMS)), cents
+    )
+    table = table.flatten(-2)  # [B, S, Q, G*16]
+    offsets = torch.arange(groups, device=codes.device) * 16
+    flat = (codes.long() + offsets).flatten(-2)  # [B, Hkv, N*G]
+    if rep > 1:
+        flat = flat.repeat_interleave(rep, dim=1)
+    out = torch.empty(b, s, q, n, dtype=table.dtype, device=table.device)
+    step = max(1, max_elements // max(1, b * s * n * groups))
+    for lo in range(0, q, step):
+        hi = min(q, lo + step)
+        picked = table[:, :, lo:hi].gather(-1, flat[:, :, None].expand(-1, -1, hi - lo, -1))
+        out[:, :, lo:hi] = picked.view(b, s, hi - lo, n, groups).sum(-1)
+    return out
+
+
+def snap_sinks(
+    keys: torch.Tensor, query: torch.Tensor, count: int, scaling: float, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `count` prompt tokens per kv-head most attended by the last SNAP_WINDOW real prompt queries (softmax
+    weights summed over the window and the group's heads, avg-pooled over SNAP_KERNEL neighbours).
+
+    Returns (positions [B, Hkv, count] int64 sorted ascending, unused slots = SENTINEL; rank [B, Hkv, count]
+    int64, 0 = most attended, in the same order).
+    """
+    b, hkv, n, _ = keys.shape
+    hq = query.shape[1]
+    mask = torch.ones(b, n, dtype=torch.bool, device=keys.device) if key_mask is None else key_mask.bool()
+    real = mask.sum(-1)  # left padding: the real tokens are the last `real` ones
+    window = min(SNAP_WINDOW, n)
+    pos = torch.arange(n - window, n, device=keys.device)
+    q = query[:, :, query.shape[2] - window :].float()  # the prompt's last queries (only those may be given)
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [B, Hq, W, N]
+    allowed = (torch.arange(n, device=keys.device)[None, :] <= pos[:, None])[None] & mask[:, None, :]
+    logits = logits.masked_fill(~allowed[:, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    in_window = (pos[None, :] >= n - torch.clamp(real, max=SNAP_WINDOW)[:, None]) & mask[:, n - window :]
+    weights = weights * in_window[:, None, :, None]
+    votes = weights.sum(2).view(b, hkv, hq // hkv, n).sum(2)  # [B, Hkv, N]
+    votes = F.avg_pool1d(votes, SNAP_KERNEL, stride=1, padding=SNAP_KERNEL // 2, count_include_pad=True)
+    votes = votes.masked_fill(~mask[:, None], float("-inf"))
+    k_top = min(count, n)
+    top = votes.sort(dim=-1, descending=True, stable=True)
+    chosen, chosen_votes = top.indices[..., :k_top], top.values[..., :k_top]
+    used = chosen_votes > float("-inf")
+    rank = torch.arange(k_top, device=keys.device).expand_as(chosen)
+    positions = torch.where(used, chosen, torch.full_like(chosen, SENTINEL))
+    positions, order = positions.sort(dim=-1)
+    return positions, rank.gather(-1, order)
+
+
+def boost_sinks(
+    scores: torch.Tensor, budgets: torch.Tensor, positions: torch.Tensor, rank: torch.Tensor, share: float
+) -> torch.Tensor:
+    """Puts the sinks (positions / rank [B, Hkv, S] of `snap_sinks`) first in scores [B, heads, Q, N], best SnapKV
+    rank first; a row forces at most share x its budget of them (budgets [B, Q]; the others keep their LUT score),
+    so short contexts keep room for the query's own top-k. In place."""
+    heads = scores.shape[1]
+    rep = heads // positions.shape[1]
+    positions = positions.long().repeat_interleave(rep, dim=1)
+    rank = rank.long().repeat_interleave(rep, dim=1)
+    cap = torch.floor(budgets.to(torch.float64) * share).long()  # [B, Q]
+    used = (positions < SENTINEL)[:, :, None] & (rank[:, :, None] < cap[:, None, :, None])  # [B, S, Q, K]
+    boost = (SINK_BASE + (positions.shape[-1] - rank)).to(scores.dtype)
+    index = positions.clamp(max=scores.shape[-1] - 1)[:, :, None].expand(-1, -1, scores.shape[2], -1)
+    current = scores.gather(-1, index)
+    # in place: the scores are this step's own tensor (a copy of [B, H, Q, N] costs more than the LUT)
+    return scores.scatter_(-1, index, torch.where(used, boost[:, :, None].expand_as(current), current))

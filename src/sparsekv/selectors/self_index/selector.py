@@ -1,0 +1,372 @@
+"""`SelfIndexSelector`: the method's options, its storage hooks (the layer's K/V live in a `CompressedStore`), the
+two-stage selection (LUT top-k, re-rank by q . K as attention reads K) and attention over the gathered tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
+from sparsekv.kernels.sparse_attention import sparse_attention
+from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, _force, to_selection_heads
+from sparsekv.selectors.self_index import device
+from sparsekv.selectors.self_index.codes import GROUP_DIMS, bitrev4, codes_from_sign_bits
+from sparsekv.selectors.self_index.scoring import SINK_BASE, SNAP_WINDOW, boost_sinks, lut_scores, snap_sinks
+from sparsekv.selectors.self_index.store import FP_DTYPES, QUANT_GROUP, CompressedStore, quant_group_size
+
+KV_BITS = (2, 4, 16)
+
+
+@dataclass
+class SelfIndexSelector(TokenSelector):
+    """Self-Indexing KV cache (1-bit sign VQ index + token-wise low-bit K/V). Options:
+
+    kv_bits: 2 (default) or 4 = compressed V (and K magnitudes, see k_bits); 16 = full-precision K/V, only the
+        1-bit index (the paper's "16,16,1").
+    sink_tokens: prompt tokens per kv-head kept at 16-bit and selected first, inside the budget (SnapKV-style
+        choice; 0 = none; the paper: 64). 32 by default: their bytes pay for a 64-token residual block, which
+        measured better at 4K (ppl 27.10 vs 27.57 with 64 sinks and a 32-token block).
+    sink_share: at most this share of a query's budget goes to forced sinks (best SnapKV rank first; 1 = all,
+        the paper). 64 sinks would otherwise take most of a 10% budget below ~2K tokens.
+    residual: decode tokens of the current block read at 16-bit (block size, 64; 0 = read every token compressed).
+    fp_dtype: storage of the 16-bit parts of a compressed cache ("bfloat16", "float16" or "input"; "input" keeps
+        a float64 test exact).
+    rescore: candidates per budget token that the LUT passes to a second stage ranking them by q.K as attention
+        reads K (sign bits x dequantized |K|, 16-bit sinks and residual block); 0 = the paper's LUT-only top-k.
+    k_bits: bits of the |K| magnitudes (2, 3, 4; 0 = auto: 3 when kv_bits=2, else kv_bits).
+    k_axis: "channel": one fp16 |K| scale per channel per block of k_group tokens (KIVI-style; K is compressed
+        when its block fills, so `residual` must be a positive multiple of k_group); "token": one fp16 scale (and
+        zero with k_zero) per k_group channels of one token (the paper's axis); "auto" (default): "channel" when
+        residual is a positive multiple of k_group and k_zero is false (the defaults), else "token". The
+        selector's `k_axis` attribute holds the resolved axis.
+    k_group: tokens per scale row (k_axis="channel", 32) or channels per scale (k_axis="token").
+    v_group: elements (channels of one token) per fp16 scale and zero of V (64).
+    k_zero: store a zero point for the K magnitudes too (k_axis="token" only; the paper's layout).
+    v_clip: V range per group shrunk to the least squared error among V_CLIP_RATIOS (same format). On by default
+        since it was measured with k_rotate over nine 4K windows x three rotation seeds (alone it had been judged
+        on one window, where it does not help).
+    v_rotate: store V' = V R with a fixed orthogonal R per layer (`value_rotation`: +-1 signs seeded by the layer
+        index times the normalised Hadamard matrix; a seeded QR rotation when head_dim is not a power of two), so
+        that an outlier channel no longer sets the 2-bit range of its whole group. Every stored V row is in the
+        rotated domain (quantized rows, 16-bit sinks and residual block, and kv_bits=16's full V); `attend`
+        un-rotates the attention output (out = out' R^T, exact since softmax . (V R) = (softmax . V) R), on both the
+        torch and the kernel path. No bytes: the layer holds its d signs (counted), the base matrix is a shared
+        constant regenerated from head_dim. `gather_dequantized` returns V in the stored (rotated) domain.
+    k_rotate: store keys as K R (the same R as V's) and rotate each query by R before scoring and attention: q . k
+        and so attention are unchanged, but the sign index, mu / alpha and the |K| scales all see rotated keys,
+        whose energy is spread over the channels. Measured better both for the index (kv_bits=16) and for the
+        compressed cache (results/self_index.md). Every stored K row (sign bits, |K| codes, sinks, residual
+        block, kv_bits=16's full K) is in the rotated domain; `read_keys` / `gather_dequantized` return it so.
+
+    The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_axis="token", k_group=32, v_group=32,
+    k_zero=true, v_clip=false, v_rotate=false, k_rotate=false (`PAPER` in scripts/self_index_eval.py); the
+    defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by decode-faithful perplexity
+    (results/self_index.md).
+    """
+
+    name = "self-index"
+    stores_kv = True
+    #: a 2-bit cache cannot reproduce dense logits tightly (kv_bits=16 can)
+    lossy: ClassVar[bool] = True
+
+    kv_bits: int = 2
+    sink_tokens: int = 32
+    residual: int = 64
+    fp_dtype: str = "bfloat16"
+    rescore: int = 3
+    k_bits: int = 0
+    k_group: int = 32
+    v_group: int = 64
+    k_zero: bool = False
+    sink_share: float = 0.25
+    k_axis: str = "auto"
+    v_clip: bool = True
+    v_rotate: bool = True
+    k_rotate: bool = True
+
+    @classmethod
+    def check_config(cls, config: SparseConfig) -> None:
+        options = config.options
+        bits = options.get("kv_bits", 2)
+        if isinstance(bits, bool) or bits not in KV_BITS:
+            raise ConfigError(f"self-index kv_bits must be one of {KV_BITS}, got {bits!r}")
+        k_bits = options.get("k_bits", 0)
+        if isinstance(k_bits, bool) or k_bits not in (0, 2, 3, 4):
+            raise ConfigError(f"self-index k_bits must be 0 (= kv_bits), 2, 3 or 4, got {k_bits!r}")
+        for name in ("k_group", "v_group"):
+            value = options.get(name, QUANT_GROUP)
+            if isinstance(value, bool) or value not in (4, 8, 16, 32, 64, 128):
+                raise ConfigError(f"self-index {name} must be one of 4, 8, 16, 32, 64, 128, got {value!r}")
+        share = options.get("sink_share", 0.25)
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ConfigError(f"self-index sink_share must be a number in (0, 1], got {share!r}")
+        for name in ("k_zero", "v_clip", "v_rotate", "k_rotate"):
+            if not isinstance(options.get(name, False), bool):
+                raise ConfigError(f"self-index {name} must be true or false, got {options[name]!r}")
+        axis = options.get("k_axis", "auto")
+        if axis not in ("auto", "token", "channel"):
+            raise ConfigError(f"self-index k_axis must be 'auto', 'token' or 'channel', got {axis!r}")
+        if axis == "channel":
+            if options.get("k_zero", False):
+                raise ConfigError("self-index k_axis=channel stores no zero points: set k_zero=false")
+            group, residual = options.get("k_group", QUANT_GROUP), options.get("residual", 64)
+            if (
+                isinstance(residual, int)
+                and not isinstance(residual, bool)
+                and (residual <= 0 or residual % group)
+            ):
+                raise ConfigError(
+                    "self-index k_axis=channel compresses K a block of k_group tokens at a time once the block is "
+                    f"full, so residual must be a positive multiple of k_group; got residual={residual}, "
+                    f"k_group={group}"
+                )
+        for name in ("sink_tokens", "residual", "rescore"):
+            value = options.get(name, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"self-index {name} must be an int >= 0, got {value!r}")
+        if options.get("fp_dtype", "bfloat16") not in FP_DTYPES:
+            raise ConfigError(f"self-index fp_dtype must be one of {', '.join(FP_DTYPES)}")
+        if config.top_p is not None:
+            raise ConfigError(
+                "self-index keeps its own compressed K/V, which the top-p pruner cannot read; leave top_p unset"
+            )
+
+    def __post_init__(self) -> None:
+        d = self.layer.head_dim
+        if d % GROUP_DIMS:
+            raise ConfigError(f"self-index needs a head_dim divisible by {GROUP_DIMS}, got {d}")
+        if self.k_axis == "auto":  # channel wherever it can be (scale-only |K|, full blocks read compressed)
+            fits = self.residual > 0 and self.residual % self.k_group == 0
+            self.k_axis = "channel" if fits and not self.k_zero else "token"
+        if self.k_axis == "token":
+            self.k_group = quant_group_size(d, self.k_group)
+        self.v_group = quant_group_size(d, self.v_group)
+        # k_bits auto: the 2-bit cache spends the bytes saved on V's and K's zeros on a 3rd K bit
+        if self.k_bits == 0:
+            self.k_bits = 3 if self.kv_bits == 2 else self.kv_bits
+        if self.compressed and self.k_bits == 3 and d % 8:
+            raise ConfigError(f"self-index k_bits=3 needs a head_dim divisible by 8, got {d}")
+        self.kv = CompressedStore(
+            layer_idx=self.layer.layer_idx, num_kv_heads=self.layer.num_kv_heads, kv_bits=self.kv_bits,
+            k_bits=self.k_bits, k_axis=self.k_axis, k_group=self.k_group, v_group=self.v_group, k_zero=self.k_zero,
+            v_clip=self.v_clip, residual=self.residual, fp_dtype=self.fp_dtype, v_rotate=self.v_rotate,
+            k_rotate=self.k_rotate,
+        )  # fmt: skip
+        self._prefilled = False
+        # (query, query R) of the last step
+        self._rotated_for: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.kv_bits < 16
+
+    @property
+    def mu(self) -> torch.Tensor | None:
+        """[B, Hkv, 1, d] mean prompt key (None before the prefill)."""
+        return self.kv.mu
+
+    @property
+    def num_tokens(self) -> int:
+        return self.kv.rows.length
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of every tensor this layer holds (buffer capacity included), by component."""
+        return self.kv.memory_breakdown()
+
+    # --- storage hooks ----------------------------------------------------------------------------------------
+
+    def store(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._prefilled:
+            return key_states, value_states  # the dense prefill needs them; prefill() compresses
+        self.kv.append(key_states, value_states)
+        stand_in = self._stand_in(key_states)
+        return stand_in, stand_in
+
+    def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
+        """What the cache layer holds as its keys / values once this selector keeps the tokens: [B, Hkv, N, 1] with
+        N the cached length, one element expanded (no memory per token; `attend` reads the selector's storage).
+        Not empty, so that code reading the length off the keys (transformers' layers do) sees N, not 0."""
+        b, h = like.shape[:2]
+        return like.new_zeros(1, 1, 1, 1).expand(b, h, self.kv.rows.length, 1)
+
+    def prompt_query_window(self) -> int | None:
+        # the sinks are the tokens these queries attend most
+        return SNAP_WINDOW if self.sink_tokens > 0 else 0
+
+    def prefill(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        query: torch.Tensor,
+        key_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Chooses the sinks (on the unrotated keys: q . k is rotation invariant), then `CompressedStore.prefill`
+        builds mu/alpha/codebook and compresses the prompt."""
+        sinks = None
+        if self.sink_tokens > 0:
+            sinks = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
+        self.kv.prefill(keys, values, key_mask, sinks)
+        self._prefilled = True
+
+    def _rotated_query(self, step: DecodeStep) -> DecodeStep:
+        """The step with its query rotated (k_rotate), once per step: select and attend see the same query."""
+        if self.kv.k_signs is None:
+            return step
+        if self._rotated_for is None or self._rotated_for[0] is not step.query:
+            self._rotated_for = (step.query, self.kv.rotate_keys(step.query))
+        return step.replace(query=self._rotated_for[1])
+
+    # --- selection ----------------------------------------------------------------------------------------------
+
+    def codes(self) -> torch.Tensor:
+        """[B, Hkv, N, G] uint8 sign-pattern codes of every cached token (decoded from the stored sign bits)."""
+        return codes_from_sign_bits(self.kv.rows.view("sign_bits"), self.layer.head_dim)
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        layer, centroids = step.layer, self.kv.centroids
+        if step.gqa == "group" and step.query.dtype != torch.float64:
+            # the kernels' op (group-summed, Triton on CUDA) indexes centroids by the raw nibble of the packed bits
+            by_nibble = centroids.index_select(3, bitrev4(centroids.device).long())
+            scores = kernel_lut_scores(step.query, by_nibble, self.kv.rows.view("sign_bits"))
+        else:
+            work = torch.float64 if centroids.dtype == torch.float64 else torch.float32
+            query = step.query.to(work)
+            if step.gqa == "group" and layer.group_size > 1:
+                b, _, q, d = query.shape
+                query = query.view(b, layer.num_kv_heads, layer.group_size, q, d).sum(2)
+            scores = lut_scores(query, centroids.to(work), self.codes())
+        scores = scores.float()
+        if self.kv.sink_positions is not None:
+            scores = boost_sinks(
+                scores, step.budgets, self.kv.sink_positions, self.kv.sink_rank, self.sink_share
+            )
+        return scores
+
+    def select(self, step: DecodeStep) -> Selection:
+        """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
+        does not depend on the other rows or on the row length (chunked == token-by-token)."""
+        step = self._rotated_query(step)
+        scores = to_selection_heads(self.score(step), step).float()
+        k_max = step.max_budget()
+        if step.uniform and scores.device.type != "cpu":
+            # every key visible, forced keys are two index ranges: set in place, no [B, H, Q, N] masks
+            forced = _force(scores, step.hints.sink, step.hints.local, float("inf"))
+            return self._select_uniform_device(step, forced, k_max)
+        visible = step.visible[:, None]
+        scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
+        if self.rescore > 0:
+            scores = self._rescored(step, scores, k_max)
+        ranked = scores.sort(dim=-1, descending=True, stable=True)
+        values, indices = ranked.values[..., :k_max], ranked.indices[..., :k_max]
+        ranks = torch.arange(k_max, device=scores.device)
+        valid = (ranks < step.budgets[:, None, :, None]) & (values > float("-inf"))
+        return Selection(indices=indices, valid=valid)
+
+    def _select_uniform_device(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> Selection:
+        """`select` on a uniform device step (every row keeps k_max of all N keys): top-k instead of a full stable
+        sort of the N scores (twice with the re-rank), and the re-rank ranks its candidate list directly. The set
+        equals the CPU rule's up to how torch.topk orders equal scores; no host sync, so the step can be captured
+        in a CUDA graph."""
+        if self.rescore > 0:
+            first, index = scores.topk(min(scores.shape[-1], self.rescore * k_max), dim=-1, sorted=False)
+            fine = self._candidate_scores(step, index)
+            second = torch.where(first >= SINK_BASE, first, fine).masked_fill(
+                first == float("-inf"), float("-inf")
+            )
+            values, pick = second.topk(k_max, dim=-1, sorted=False)
+            indices = index.gather(-1, pick)
+        else:
+            values, indices = scores.topk(k_max, dim=-1, sorted=False)
+        return Selection(indices=indices, valid=values > float("-inf"))
+
+    def _rescored(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> torch.Tensor:
+        """Second stage: the LUT's best `rescore` x budget tokens of each row are re-ranked by q . K read from the
+        cache itself (sign bits x 2-bit magnitudes, or the 16-bit keys); every other token drops out. The 1-bit
+        LUT alone loses the magnitudes, so it misses outlier keys that carry most of the attention mass.
+
+        Forced and sink tokens keep their first-stage priority. A row's result depends only on its own scores
+        and budget (chunked == token-by-token)."""
+        c_max = min(scores.shape[-1], self.rescore * k_max)
+        ranked = scores.sort(dim=-1, descending=True, stable=True)
+        first, index = ranked.values[..., :c_max], ranked.indices[..., :c_max]
+        ranks = torch.arange(c_max, device=scores.device)
+        keep = (ranks < self.rescore * step.budgets[:, None, :, None]) & (first > float("-inf"))
+        fine = self._candidate_scores(step, index)
+        priority = first >= SINK_BASE  # forced (+inf) and sinks
+        second = torch.where(priority, first, fine).masked_fill(~keep, float("-inf"))
+        return torch.full_like(scores, float("-inf")).scatter(-1, index, second)
+
+    def _candidate_scores(self, step: DecodeStep, index: torch.Tensor) -> torch.Tensor:
+        """q . (K - mu) for the tokens `index` [B, S, Q, C] of each row, with the keys as the row's query reads them
+        in attention (`read_keys`: compressed tokens dequantized, sinks and the query's residual block at 16-bit).
+        The query is summed over the group for gqa="group" (exact by linearity); q . mu is the same for every key
+        of a row and is left out."""
+        if (on_kernels := device.candidate_scores(self.kv, step, index)) is not None:
+            return on_kernels
+        layer = step.layer
+        work = self.kv.mu.dtype
+        query = step.query.to(work)
+        b, _, q_len, d = query.shape
+        if step.gqa == "group" and layer.group_size > 1:
+            query = query.view(b, layer.num_kv_heads, layer.group_size, q_len, d).sum(2)
+        s, c = index.shape[1], index.shape[-1]
+        out = torch.empty(index.shape, dtype=work, device=index.device)
+        chunk = max(1, (1 << 22) // max(1, b * s * c * d))
+        n = self.kv.rows.length
+        for lo in range(0, q_len, chunk):
+            hi = min(q_len, lo + chunk)
+            positions = torch.arange(n - q_len + lo, n - q_len + hi, device=index.device)
+            keys = self.kv.read_keys(index[:, :, lo:hi], positions)  # [B, S, q, C, d]
+            out[:, :, lo:hi] = torch.einsum("bsqd,bsqcd->bsqc", query[:, :, lo:hi], keys)
+        return out.float()
+
+    # --- attention over the gathered tokens -------------------------------------------------------------------
+
+    def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
+        """Attention of step.query over the selected tokens. The stored V is V R with v_rotate: both paths attend
+        over it and the output is un-rotated here (out = out' R^T)."""
+        step = self._rotated_query(step)
+        kv = self.kv
+        if (on_kernels := device.attend(kv, step, selection, scaling)) is not None:
+            return kv.unrotate_values(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
+        if not self.compressed:
+            keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
+            out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
+                                   tickets=self.attention_tickets(selection, step.query.device))  # fmt: skip
+            return kv.unrotate_values(out)
+        query = step.query
+        b, hq, q_len, d = query.shape
+        s = selection.indices.shape[1]
+        k_sel = selection.indices.shape[-1]
+        chunk = max(1, (1 << 22) // max(1, b * s * k_sel * d))
+        # with v_rotate the rotated output stays in the work dtype until it is un-rotated
+        out = query.new_empty(b, hq, q_len, d, dtype=query.dtype if kv.v_signs is None else kv.mu.dtype)
+        n = kv.rows.length
+        for lo in range(0, q_len, chunk):
+            hi = min(q_len, lo + chunk)
+            positions = torch.arange(n - q_len + lo, n - q_len + hi, device=query.device)
+            out[:, :, lo:hi] = self._attend_chunk(
+                query[:, :, lo:hi],
+                selection.indices[:, :, lo:hi],
+                selection.valid[:, :, lo:hi],
+                positions,
+                scaling,
+            )
+        return out if kv.v_signs is None else kv.unrotate_values(out).to(query.dtype)
+
+    def _attend_chunk(self, query, indices, valid, positions, scaling) -> torch.Tensor:
+        b, hq, q, d = query.shape
+        s = indices.shape[1]
+        keys, values = self.kv.gather_dequantized(indices, positions)
+        work = keys.dtype
+        qh = query.to(work).view(b, s, hq // s, q, d)
+        logits = torch.einsum("bsgqd,bsqkd->bsgqk", qh, keys) * scaling
+        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+        weights = torch.softmax(logits, dim=-1)
+        out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
+        return out.reshape(b, hq, q, d).to(query.dtype if self.kv.v_signs is None else work)

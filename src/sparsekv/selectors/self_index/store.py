@@ -1,0 +1,414 @@
+"""What one self-index layer holds, and how it is written and read back.
+
+Per kv-head: the prompt's statistics (mu = mean key, alpha = per-channel max |K - mu|, the codebook), the rows of
+every token (packed sign bits, |K - mu| / alpha codes, V codes with their scales, in `kernels.compressed_format`'s
+layout; kv_bits=16: the full K/V instead), the K block scales (k_axis="channel"), the 16-bit copies of the sinks
+and of the current residual block, and the layer's rotation signs. Every stored K row is K R with k_rotate, every
+stored V row V R with v_rotate.
+
+Writes: `prefill` (statistics, codebook, sink copies, the prompt's rows), `append` (decode tokens: rows with the
+prompt's statistics, the residual block's 16-bit copy, and the K blocks completed). Reads: `read_keys` /
+`gather_dequantized`, the tokens as a query at a given position reads them (compressed rows dequantized, sinks and
+the query's own residual block from their 16-bit copies); `kernel_view` hands the same bytes to
+`kernels.compressed_kv`. `memory_breakdown` measures the bytes of the tensors held (buffer capacity included).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sparsekv.config import ConfigError
+from sparsekv.kernels.bits import pack_sign_bits
+from sparsekv.kernels.compressed_format import (
+    dequantize,
+    dequantize_keys,
+    pack_bits,
+    quantize,
+    quantize_codes,
+)
+from sparsekv.kernels.compressed_kv import CompressedKV
+from sparsekv.selectors.base import tensor_nbytes
+from sparsekv.selectors.self_index.codes import one_pass_centroids, sign_codes
+from sparsekv.selectors.self_index.rotation import rotation_base, rotation_signs
+
+QUANT_GROUP = (
+    32  # preferred channels per K scale (k_axis="token") / tokens per K scale row (k_axis="channel")
+)
+FP_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "input": None}
+
+
+def work_dtype(like: torch.Tensor) -> torch.dtype:
+    """The dtype statistics, dequantized rows and scores are computed in: float64 for float64 inputs (exact tests),
+    else float32."""
+    return torch.float64 if like.dtype == torch.float64 else torch.float32
+
+
+def quant_group_size(head_dim: int, preferred: int = QUANT_GROUP) -> int:
+    """`preferred` elements per (scale, zero) pair, or the largest of 32/16/8/4 dividing head_dim below it."""
+    for size in (preferred, 32, 16, 8, 4):
+        if size <= preferred and head_dim % size == 0:
+            return size
+    raise ConfigError(f"self-index needs a head_dim divisible by 4, got {head_dim}")
+
+
+class _Buffers:
+    """Named [B, H, capacity, c] tensors grown together along dim 2 by a fixed step (64 tokens: the slack stays
+    small next to 4K+ tokens and appending stays cheap)."""
+
+    def __init__(self, reserve: int = 0, step: int = 64) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.length = 0
+        self.reserve, self.step = reserve, step
+
+    def append(self, **new: torch.Tensor) -> None:
+        count = next(iter(new.values())).shape[2]
+        needed = self.length + count
+        for name, value in new.items():
+            buf = self.tensors.get(name)
+            if buf is None or buf.shape[2] < needed:
+                capacity = max(needed, self.reserve) if buf is None else needed + self.step
+                grown = value.new_empty(*value.shape[:2], capacity, *value.shape[3:])
+                if buf is not None:
+                    grown[:, :, : self.length] = buf[:, :, : self.length]
+                self.tensors[name] = grown
+            self.tensors[name][:, :, self.length : needed] = value
+        self.length = needed
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.tensors[name][:, :, : self.length]
+
+    def nbytes(self) -> dict[str, int]:
+        return {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
+
+
+class CompressedStore:
+    """One layer's self-index K/V. The format options are `SelfIndexSelector`'s, already resolved (k_bits > 0,
+    k_axis "token" or "channel", group sizes that divide head_dim)."""
+
+    def __init__(self, *, layer_idx: int, num_kv_heads: int, kv_bits: int, k_bits: int, k_axis: str,
+                 k_group: int, v_group: int, k_zero: bool, v_clip: bool, residual: int, fp_dtype: str,
+                 v_rotate: bool, k_rotate: bool) -> None:  # fmt: skip
+        self.layer_idx, self.num_kv_heads = layer_idx, num_kv_heads
+        self.kv_bits, self.k_bits, self.k_axis, self.k_group, self.v_group = (
+            kv_bits,
+            k_bits,
+            k_axis,
+            k_group,
+            v_group,
+        )
+        self.k_zero, self.v_clip, self.residual, self.fp_dtype = k_zero, v_clip, residual, fp_dtype
+        self.v_rotate, self.k_rotate = v_rotate, k_rotate
+        self.rows = _Buffers()  # sign bits (+ quantized K/V, or full K/V when kv_bits=16)
+        self.tail = _Buffers(reserve=residual, step=residual)  # 16-bit copy of the current block(s)
+        self.tail_start = 0
+        self.decode_start = 0
+        # k_axis="channel": one fp16 scale row [d] per block of k_group tokens; blocks end at the prompt's end and
+        # then every k_group decode tokens, so token t is in block row (t + k_pad) // k_group
+        self.k_blocks = _Buffers(step=8)
+        self.k_pad = 0
+        self.k_done = 0  # tokens [0, k_done) have their compressed |K|; later ones are read from the tail
+        self.mu = self.alpha = self.centroids = None
+        self.sink_positions = self.sink_rank = self.sink_keys = self.sink_values = None
+        # R = diag(signs) x rot_base, set at the prefill: v_signs with v_rotate, k_signs with k_rotate (one tensor)
+        self.v_signs = self.k_signs = self.rot_base = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.kv_bits < 16
+
+    @property
+    def channel_axis(self) -> bool:
+        return self.compressed and self.k_axis == "channel"
+
+    def _fp_dtype(self, like: torch.Tensor) -> torch.dtype:
+        return FP_DTYPES[self.fp_dtype] or like.dtype
+
+    # --- rotation ---------------------------------------------------------------------------------------------
+
+    def rotate_values(self, values: torch.Tensor, work: torch.dtype) -> torch.Tensor:
+        """V [..., d] -> V R in `work` (V itself without v_rotate)."""
+        v = values.to(work)
+        if self.v_signs is None:
+            return v
+        return torch.matmul(v * self.v_signs.to(work), self.rot_base.to(work))
+
+    def unrotate_values(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] in the stored V domain (an attention output, or rows of `gather_dequantized`) -> x R^T, in the
+        input's dtype, computed in the cache's work dtype (x itself without v_rotate)."""
+        if self.v_signs is None:
+            return x
+        work = self.v_signs.dtype
+        return (torch.matmul(x.to(work), self.rot_base.T) * self.v_signs).to(x.dtype)
+
+    def rotate_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """k_rotate: keys or queries [..., d] -> x R in their dtype (computed in the work dtype); x itself without.
+        q . k is unchanged, so attention is too; what changes is what the sign index and the |K| scales see."""
+        if self.k_signs is None:
+            return x
+        work = self.k_signs.dtype
+        return torch.matmul(x.to(work) * self.k_signs, self.rot_base).to(x.dtype)
+
+    # --- writes -----------------------------------------------------------------------------------------------
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor, key_mask: torch.Tensor | None,
+                sinks: tuple[torch.Tensor, torch.Tensor] | None) -> None:  # fmt: skip
+        """Builds mu/alpha/codebook and the sinks' 16-bit copies from the prompt (keys / values [B, Hkv, N, d] as
+        the model gives them; sinks: `snap_sinks`'s (positions, rank) or None) and compresses it. `key_mask` [B, N]
+        (False = padding) keeps left padding out of the statistics; without it every prompt position counts."""
+        work = work_dtype(keys)
+        b, _, n, d = keys.shape
+        if self.v_rotate or self.k_rotate:  # built here, outside any CUDA graph capture of the decode steps
+            signs = rotation_signs(d, self.layer_idx, work, keys.device)
+            self.rot_base = rotation_base(d, work, keys.device)
+            self.v_signs = signs if self.v_rotate else None
+            self.k_signs = signs if self.k_rotate else None
+        keys = self.rotate_keys(keys)
+        k = keys.to(work)
+        weight = torch.ones(b, n, dtype=work, device=k.device) if key_mask is None else key_mask.to(work)
+        wsum = weight.sum(-1).clamp(min=1)[:, None, None, None]
+        self.mu = (k * weight[:, None, :, None]).sum(2, keepdim=True) / wsum  # [B, H, 1, d]
+        centred = k - self.mu
+        masked_abs = centred.abs() * weight[:, None, :, None]
+        self.alpha = masked_abs.amax(2, keepdim=True).clamp(min=torch.finfo(work).tiny ** 0.5)
+        codes = sign_codes(centred)
+        centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
+        # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
+        self.centroids = centroids if work == torch.float64 else centroids.to(torch.float16)
+        if sinks is not None:
+            positions, rank = sinks
+            self.sink_positions, self.sink_rank = positions.to(torch.int32), rank.to(torch.int16)
+            if self.compressed:
+                idx = positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
+                fp = self._fp_dtype(keys)
+                self.sink_keys = keys.gather(2, idx).to(fp)
+                self.sink_values = self.rotate_values(values.gather(2, idx), work).to(fp)
+        exclude = (
+            None  # tokens left out of the channel-axis block scales: padding, and sinks (read at 16-bit)
+        )
+        if self.channel_axis:
+            self.k_pad = (-n) % self.k_group
+            exclude = torch.zeros(b, k.shape[1], n + 1, dtype=torch.bool, device=k.device)
+            if self.sink_keys is not None:
+                exclude.scatter_(-1, self.sink_positions.long().clamp(max=n), True)
+            exclude = exclude[..., :n]
+            if key_mask is not None:
+                exclude = exclude | ~key_mask.bool()[:, None]
+        self._append(keys, values, prompt=True, exclude=exclude)
+        self.decode_start = n
+        self.tail_start = n
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Decode tokens (keys / values [B, Hkv, T, d] as the model gives them), with the prompt's statistics."""
+        self._append(self.rotate_keys(keys), values)
+
+    def _append(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        prompt: bool = False,
+        exclude: torch.Tensor | None = None,
+    ) -> None:
+        work = work_dtype(keys)
+        centred = keys.to(work) - self.mu
+        rotated = self.rotate_values(values, work)  # V (v_rotate: V R) in the work dtype
+        parts = {"sign_bits": pack_sign_bits(centred)}
+        channel = self.channel_axis
+        if self.compressed:
+            if channel:  # filled in by _compress_k_blocks once the token's block is full
+                b, h, t, d = keys.shape
+                parts["k_mag"] = keys.new_zeros(b, h, t, d * self.k_bits // 8, dtype=torch.uint8)
+            else:  # the paper's layout with k_zero: asymmetric, scale and zero per k_group channels
+                mag, mag_scale, mag_zero = quantize(
+                    centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
+                )
+                parts.update(k_mag=mag, k_scale=mag_scale)
+                if self.k_zero:
+                    parts.update(k_zero=mag_zero)
+            val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
+            parts.update(v=val, v_scale=val_scale, v_zero=val_zero)
+        else:
+            parts.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
+        self.rows.append(**parts)
+        if channel and prompt:
+            self._compress_k_blocks(centred, 0, exclude)
+            self.k_done = self.rows.length
+        elif channel:
+            # the blocks completed by these tokens, from the 16-bit copies (the tail holds every token from
+            # k_done on; new tokens are rounded to the tail's dtype first, so chunked == token-by-token)
+            new = keys.to(self._fp_dtype(keys)).to(work) - self.mu
+            held = self.k_done - self.tail_start
+            if self.tail.length > held:
+                new = torch.cat([self.tail.view("k")[:, :, held:].to(work) - self.mu, new], dim=2)
+            count = new.shape[2] // self.k_group * self.k_group
+            if count:
+                self._compress_k_blocks(new[:, :, :count], self.k_done)
+                self.k_done += count
+        if prompt or not self.compressed or self.residual == 0:
+            return
+        # 16-bit copy of the decode tokens from the block of the first new token on (older blocks are full)
+        first = self.rows.length - keys.shape[2]
+        block = self.decode_start + (first - self.decode_start) // self.residual * self.residual
+        if block > self.tail_start:
+            kept = self.tail.length - (block - self.tail_start)
+            old = {name: self.tail.view(name)[:, :, -kept:] if kept > 0 else None for name in ("k", "v")}
+            self.tail = _Buffers(reserve=self.residual, step=self.residual)
+            if old["k"] is not None:
+                self.tail.append(k=old["k"], v=old["v"])
+            self.tail_start = block
+        fp = self._fp_dtype(keys)
+        self.tail.append(k=keys.to(fp), v=values.to(fp) if self.v_signs is None else rotated.to(fp))
+
+    def _compress_k_blocks(
+        self, centred: torch.Tensor, start: int, exclude: torch.Tensor | None = None
+    ) -> None:
+        """k_axis="channel": |K - mu| / alpha of the tokens [start, start + T) (centred [B, H, T, d]; full blocks,
+        except that the prompt's first block may be short) -> one fp16 scale per channel and block (scale rows
+        appended to k_blocks) and per-token codes (written into the rows' k_mag). `exclude` [B, H, T] tokens
+        (padding, 16-bit sinks) do not count towards their block's scales (their codes are never read)."""
+        g = self.k_group
+        x = centred.abs() / self.alpha
+        if exclude is not None:
+            x = x.masked_fill(exclude[..., None], 0)
+        pad = (-x.shape[2]) % g  # only the prompt's first block can be short: pad it at the front
+        if pad:
+            x = F.pad(x, (0, 0, pad, 0))
+        b, h, t, d = x.shape
+        blocks = x.view(b, h, t // g, g, d).transpose(-1, -2)  # [B, H, NB, d, G]
+        codes, scale, _ = quantize_codes(blocks, self.k_bits, g, with_zero=False)  # scale [B, H, NB, d, 1]
+        codes = codes.transpose(-1, -2).reshape(b, h, t, d)[:, :, pad:]
+        self.rows.tensors["k_mag"][:, :, start : start + t - pad] = pack_bits(codes, self.k_bits)
+        self.k_blocks.append(k_scale=scale.squeeze(-1))
+
+    # --- reads ------------------------------------------------------------------------------------------------
+
+    def tail_from(self, positions: torch.Tensor) -> torch.Tensor:
+        """[Q]: the first token that the queries at `positions` [Q] read from the 16-bit tail (their residual
+        block, within the tail); past every token without a residual block."""
+        if self.residual <= 0:
+            return torch.full_like(positions, self.rows.length)
+        block = self.decode_start + (positions - self.decode_start) // self.residual * self.residual
+        return block.clamp(min=self.tail_start)
+
+    def _per_head(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        rep = heads // self.num_kv_heads
+        return t.repeat_interleave(rep, dim=1) if rep > 1 else t
+
+    def _gather(self, buffers: _Buffers, name: str, indices: torch.Tensor) -> torch.Tensor:
+        """Rows `indices` [B, S, Q, K] of buffers[name] [B, Hkv, N, c] (S = kv heads or query heads) ->
+        [B, S, Q, K, c]."""
+        b, s, q, k = indices.shape
+        src = self._per_head(buffers.view(name), s)
+        flat = indices.reshape(b, s, q * k, 1).expand(-1, -1, -1, src.shape[-1])
+        return src.gather(2, flat).view(b, s, q, k, src.shape[-1])
+
+    def read_keys(self, indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """K - mu as read by the queries at `positions` [Q] for the tokens `indices` [B, S, Q, K] ->
+        [B, S, Q, K, d]: compressed tokens through `dequantize_keys`, sinks and each query's residual block from
+        their 16-bit copies."""
+        s = indices.shape[1]
+        work = self.mu.dtype
+        mu = self._per_head(self.mu, s)[:, :, None]  # [B, S, 1, 1, d]
+        if not self.compressed:
+            return self._gather(self.rows, "k_full", indices).to(work) - mu
+        if self.k_axis == "channel":
+            rows = ((indices + self.k_pad) // self.k_group).clamp(max=self.k_blocks.length - 1)  # later: tail
+            scale = self._gather(self.k_blocks, "k_scale", rows)
+        else:
+            scale = self._gather(self.rows, "k_scale", indices)
+        zero = self._gather(self.rows, "k_zero", indices) if self.k_zero else None
+        alpha = self._per_head(self.alpha, s)[:, :, None]
+        keys = dequantize_keys(self._gather(self.rows, "sign_bits", indices), self._gather(self.rows, "k_mag", indices),
+                               scale, zero, mu, alpha, self.k_bits, False, work)  # fmt: skip
+        return self._with_copies(indices, positions, keys + mu, "k") - mu
+
+    def gather_dequantized(
+        self, indices: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """indices [B, S, Q, K] (S = kv heads or query heads), positions [Q] of the queries ->
+        K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit). V is in
+        the stored domain: V R with v_rotate (`unrotate_values` maps it back)."""
+        work = self.mu.dtype
+        keys = self._per_head(self.mu, indices.shape[1])[:, :, None] + self.read_keys(indices, positions)
+        values = dequantize(
+            self._gather(self.rows, "v", indices),
+            self._gather(self.rows, "v_scale", indices),
+            self._gather(self.rows, "v_zero", indices),
+            self.kv_bits,
+            work,
+        )
+        return keys, self._with_copies(indices, positions, values, "v")
+
+    def _with_copies(
+        self, indices: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, which: str
+    ) -> torch.Tensor:
+        """rows [B, S, Q, K, d] (K or V) with the sinks and each query's residual block replaced by their 16-bit
+        copies (`which` = "k" or "v")."""
+        b, s, q, k = indices.shape
+        d = rows.shape[-1]
+        work = rows.dtype
+        if self.sink_positions is not None and self.sink_keys is not None:
+            sink_pos = self._per_head(self.sink_positions.long(), s)
+            flat_idx = indices.reshape(b, s, q * k).contiguous()
+            slot = torch.searchsorted(sink_pos.contiguous(), flat_idx).clamp(max=sink_pos.shape[-1] - 1)
+            is_sink = (sink_pos.gather(-1, slot) == flat_idx).view(b, s, q, k, 1)
+            flat = slot[..., None].expand(-1, -1, -1, d)
+            src = self.sink_keys if which == "k" else self.sink_values
+            sink = self._per_head(src, s).to(work).gather(2, flat).view(b, s, q, k, d)
+            rows = torch.where(is_sink, sink, rows)
+        if self.residual > 0 and self.tail.length > 0:
+            in_block = indices >= self.tail_from(positions)[None, None, :, None]
+            local = (indices - self.tail_start).clamp(0, self.tail.length - 1)
+            tail = self._gather(self.tail, which, local).to(work)
+            rows = torch.where(in_block[..., None], tail, rows)
+        return rows
+
+    def kernel_view(self) -> CompressedKV:
+        """The stored bytes as `kernels.compressed_kv` reads them (compressed rows, float32 statistics)."""
+        channel = self.k_axis == "channel"
+        tail = self.residual > 0 and self.tail.length > 0
+        return CompressedKV(
+            sign_bits=self.rows.view("sign_bits"),
+            k_mag=self.rows.view("k_mag"),
+            k_scale=self.k_blocks.view("k_scale") if channel else self.rows.view("k_scale"),
+            k_zero=self.rows.view("k_zero") if self.k_zero else None,
+            v=self.rows.view("v"),
+            v_scale=self.rows.view("v_scale"),
+            v_zero=self.rows.view("v_zero"),
+            mu=self.mu,
+            alpha=self.alpha,
+            k_bits=self.k_bits,
+            v_bits=self.kv_bits,
+            k_scale_tokens=self.k_group if channel else 1,
+            k_scale_offset=self.k_pad if channel else 0,
+            sink_positions=self.sink_positions,
+            sink_keys=self.sink_keys,
+            sink_values=self.sink_values,
+            tail_keys=self.tail.view("k") if tail else None,
+            tail_values=self.tail.view("v") if tail else None,
+            tail_first=self.tail_start,
+        )
+
+    # --- memory -----------------------------------------------------------------------------------------------
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes of every tensor this layer holds (buffer capacity included), by component."""
+        rows = self.rows.nbytes()
+        return {
+            "sign_bits": rows.get("sign_bits", 0),
+            "k_quant": rows.get("k_mag", 0),
+            "k_scale_zero": rows.get("k_scale", 0)
+            + rows.get("k_zero", 0)
+            + sum(self.k_blocks.nbytes().values()),
+            "v_quant": rows.get("v", 0),
+            "v_scale_zero": rows.get("v_scale", 0) + rows.get("v_zero", 0),
+            "kv_full": rows.get("k_full", 0) + rows.get("v_full", 0),
+            "sinks_fp": tensor_nbytes(self.sink_keys) + tensor_nbytes(self.sink_values),
+            "sink_positions": tensor_nbytes(self.sink_positions) + tensor_nbytes(self.sink_rank),
+            "residual_fp": sum(self.tail.nbytes().values()),
+            "codebook": tensor_nbytes(self.centroids),
+            "mu_alpha": tensor_nbytes(self.mu) + tensor_nbytes(self.alpha),
+            # v_rotate / k_rotate: the layer's d signs (one tensor for both); the [d, d] base (rotation_base) is
+            # one constant shared by every layer
+            "rotation": tensor_nbytes(self.v_signs if self.v_signs is not None else self.k_signs),
+        }
