@@ -174,6 +174,7 @@ def test_generate_decodes_with_the_sparse_cache(tiny_gqa, method, caplog):
     assert "ignoring" not in caplog.text and "deprecated" not in caplog.text
     assert tokens.shape == (2, 6) and torch.isfinite(logits).all()
     assert isinstance(cache, sparsekv.SparseCache)
+    assert cache.layers[0]._key_buffer.shape[-2] == 48 + 6  # allocated once at prompt + max_new_tokens
     summary = cache.stats.summary()
     if get_method_class(method).dense:
         assert summary["avg_budget_tokens"] is None

@@ -42,6 +42,16 @@ def _prompt_length(args: tuple, kwargs: dict) -> int | None:
     return prompt.shape[-1] if isinstance(prompt, torch.Tensor) and prompt.dim() >= 1 else None
 
 
+def _generation_length(model, prompt_length: int | None, kwargs: dict) -> int:
+    """The longest sequence a `model.generate(...)` call can produce (0 when it cannot be told): the cache is
+    allocated at that size once, instead of doubling past it (at 128K tokens a doubling is the whole cache again)."""
+    config = kwargs.get("generation_config") or model.generation_config
+    new_tokens = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+    if new_tokens is not None and prompt_length is not None:
+        return prompt_length + new_tokens
+    return kwargs.get("max_length") or 0
+
+
 def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> SparseRuntime:
     """Makes `model` decode with `config`; `model.generate()` and plain forwards then use a SparseCache.
 
@@ -89,7 +99,7 @@ def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Spa
                     "this model has sparse decoding enabled but was given a non-empty "
                     f"{type(cache).__name__}; pass a sparsekv.SparseCache (or no cache) instead"
                 )
-            cache = SparseCache(config, infos, prompt_length=runtime.prompt_length)
+            cache = SparseCache(config, infos, runtime.generation_length, prompt_length=runtime.prompt_length)
             kwargs[cache_name] = cache
         elif cache.prompt_length is None and runtime.prompt_length is not None and cache.get_seq_length() == 0:
             cache.prompt_length = runtime.prompt_length  # an empty cache handed to generate(): its prompt
@@ -112,10 +122,11 @@ def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Spa
     @functools.wraps(class_generate)
     def generate_knowing_the_prompt(*args, **kwargs):
         runtime.prompt_length = _prompt_length(args, kwargs)
+        runtime.generation_length = _generation_length(model, runtime.prompt_length, kwargs)
         try:
             return class_generate(model, *args, **kwargs)
         finally:
-            runtime.prompt_length = None
+            runtime.prompt_length, runtime.generation_length = None, 0
 
     model.generate = generate_knowing_the_prompt
     setattr(model, _STATE_ATTR, _EnabledState(runtime, previous, hooks))
@@ -168,6 +179,10 @@ class GenerationResult:
     #: bytes the K/V cache held at the end (`cache_memory(capacity=False)`: compressed layers by component, the
     #: others the K/V of their tokens)
     cache_bytes: int | None = None
+    #: lossless decoding: drafted tokens the dense verification accepted, of those drafted (None otherwise)
+    acceptance_rate: float | None = None
+    #: lossless decoding: tokens produced per dense verification forward (accepted drafts + its own token)
+    tokens_per_verification: float | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -188,15 +203,68 @@ class GenerationResult:
             "new_tokens": self.new_tokens,
             "tokens_per_second": self.tokens_per_second,
             "cache_bytes": self.cache_bytes,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_verification": self.tokens_per_verification,
         }
 
 
+class _Decoder:
+    """Forwards of new tokens after a left-padded prompt: the attention mask and positions follow the cache's
+    length, so that a rollback (`rewind`) is one call."""
+
+    def __init__(self, model, cache: SparseCache, prompt_mask: torch.Tensor) -> None:
+        self.model, self.cache, self.prompt_mask = model, cache, prompt_mask
+        self.last_position = (prompt_mask.sum(-1, keepdim=True) - 1).clamp(min=0)  # [B, 1]
+        self.decoded = 0  # tokens cached after the prompt
+
+    def __call__(self, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """tokens [B, n] -> logits [B, n, V] (or of the last position only)."""
+        n = tokens.shape[1]
+        mask = torch.cat([self.prompt_mask, self.prompt_mask.new_ones(len(tokens), self.decoded + n)], dim=-1)
+        offsets = torch.arange(self.decoded + 1, self.decoded + n + 1, device=tokens.device)
+        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=self.last_position + offsets,
+                            **cache_kwargs(self.model, self.cache), use_cache=True,
+                            logits_to_keep=0 if all_logits else 1).logits  # fmt: skip
+        self.decoded += n
+        return logits
+
+    def rewind(self, decoded: int) -> None:
+        self.cache.crop(decoded - self.decoded)
+        self.decoded = decoded
+
+
+def _check_lossless(config: SparseConfig, draft_tokens: int) -> None:
+    method = get_method_class(config.method)
+    if method.dense or method.rewrites_prompt:
+        raise ConfigError(f"lossless decoding drafts with a sparse method; {config.method} decodes densely already")
+    if method.stores_kv:
+        raise ConfigError(
+            f"{config.method} keeps only its compressed K/V, so a dense step cannot verify its drafts; lossless "
+            "decoding needs a method that keeps the full K/V"
+        )
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
+        raise ConfigError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+
+
 @torch.inference_mode()
-def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, max_new_tokens: int = 32) -> GenerationResult:
+def generate(
+    model,
+    tokenizer,
+    prompts: str | list[str],
+    config: SparseConfig,
+    max_new_tokens: int = 32,
+    *,
+    lossless: bool = False,
+    draft_tokens: int = 4,
+) -> GenerationResult:
     """Greedy generation of a batch of prompts (left-padded) with sparse decoding, timed and with budget stats.
 
     Runs its own loop over `model(...)` so that prefill and decode are timed separately; the tokens equal
     `model.generate(do_sample=False)` with the same config.
+
+    lossless: self-speculative decoding: `draft_tokens` sparse decode steps propose tokens, one dense forward over
+    them verifies, the longest agreeing prefix and the dense model's next token are kept and the rest is rolled
+    back. The output is the dense model's greedy output; the stats add the drafts' acceptance rate.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -204,6 +272,8 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
         raise ConfigError("prompts must be one or more non-empty strings")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if lossless:
+        _check_lossless(config, draft_tokens)
     device = next(model.parameters()).device
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -211,35 +281,56 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
+    drafted = accepted = verifications = 0
     with enabled(model, config, prompt_filtered=True):
         cache = SparseCache(config, layer_infos(model))
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
+        ).logits[:, -1]
+        _synchronize(device)
+        prefill_end = time.perf_counter()
+        decoder = _Decoder(model, cache, attention_mask)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         generated: list[torch.Tensor] = []
-        for step in range(max_new_tokens):
-            logits = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                **cache_kwargs(model, cache),
-                use_cache=True,
-                logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
-            ).logits[:, -1]
-            if step == 0:
-                _synchronize(device)
-                prefill_end = time.perf_counter()
-            token = logits.argmax(-1)
+
+        def emit(token: torch.Tensor) -> bool:
+            """Appends one token per row (EOS after a row's EOS); True when every row has finished."""
             if eos is not None:
                 token = torch.where(finished, torch.full_like(token, eos), token)
-                finished |= token == eos
+                finished.logical_or_(token == eos)
             generated.append(token)
-            if bool(finished.all()):
-                break
-            input_ids = token[:, None]
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=-1)
-            position_ids = position_ids[:, -1:] + 1
+            return bool(finished.all())
+
+        done = emit(logits.argmax(-1))
+        while not done and len(generated) < max_new_tokens:
+            if not lossless:
+                done = emit(decoder(generated[-1][:, None])[:, -1].argmax(-1))
+                continue
+            base = decoder.decoded
+            gamma = min(draft_tokens, max_new_tokens - len(generated))
+            drafts = [generated[-1]]
+            for _ in range(gamma):  # sparse steps propose
+                drafts.append(decoder(drafts[-1][:, None])[:, -1].argmax(-1))
+            decoder.rewind(base)
+            cache.attend_densely = True  # one dense forward checks every proposal at once
+            try:
+                dense = decoder(torch.stack(drafts, dim=1), all_logits=True).argmax(-1)  # [B, gamma + 1]
+            finally:
+                cache.attend_densely = False
+            agree = (dense[:, :gamma] == torch.stack(drafts[1:], dim=1)).int().cumprod(-1).sum(-1)  # [B]
+            k = int(agree[~finished].min()) if bool((~finished).any()) else gamma
+            drafted, accepted, verifications = drafted + gamma, accepted + k, verifications + 1
+            decoder.rewind(base + k + 1)  # keep the dense K/V of the last token and the accepted drafts
+            for token in [*drafts[1 : k + 1], dense[:, k]][: max_new_tokens - len(generated)]:
+                if done := emit(token):
+                    break
         _synchronize(device)
         end = time.perf_counter()
     new_ids = torch.stack(generated, dim=1).tolist()
@@ -256,6 +347,8 @@ def generate(model, tokenizer, prompts: str | list[str], config: SparseConfig, m
         decode_seconds=end - prefill_end,
         new_tokens=len(generated),
         cache_bytes=cache_memory(cache, capacity=False)["bytes_total"],
+        acceptance_rate=accepted / drafted if lossless and drafted else None,
+        tokens_per_verification=(accepted + verifications) / verifications if lossless and verifications else None,
     )
 
 

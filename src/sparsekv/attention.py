@@ -14,8 +14,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
+from sparsekv.budget import budget_tokens_tensor
 from sparsekv.cache import SparseCache
 from sparsekv.config import SparseConfig
+from sparsekv.errors import ConfigError
 from sparsekv.hf_compat import supported_range
 from sparsekv.selectors.base import DecodeStep, StepHints, host_budget
 
@@ -32,6 +34,7 @@ class SparseRuntime:
     cache: SparseCache | None = None
     in_forward: bool = False
     prompt_length: int | None = None
+    generation_length: int = 0  # the longest sequence of that call (0 outside one): the cache's capacity
 
 
 class CacheBypassedError(RuntimeError):
@@ -93,13 +96,9 @@ def forced_tokens(visible: torch.Tensor, sink: int, local: int) -> torch.Tensor:
 
 
 def token_budgets(config: SparseConfig, visible: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
-    """[B, Q] tokens to keep: the config's budget for the visible count, never fewer than the forced tokens."""
-    seen = visible.sum(-1)
-    if isinstance(config.budget, float):
-        budget = torch.ceil(seen.double() * config.budget).long()
-    else:
-        budget = torch.full_like(seen, config.budget)
-    return torch.maximum(budget, forced.sum(-1)).clamp(min=1).minimum(seen.clamp(min=1))
+    """[B, Q] tokens to keep: the budget rule (`sparsekv.budget`) for the visible count, never fewer than the
+    forced tokens (these are visible, so the count stays within the visible tokens)."""
+    return torch.maximum(budget_tokens_tensor(config.budget, visible.sum(-1)), forced.sum(-1))
 
 
 def step_hints(
@@ -138,19 +137,47 @@ def sparse_attention_forward(
         # not ours (no cache / a forward of another module / dense layer): plain SDPA, what the model would do
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
-    selector, pruner = layer.selector, layer.pruner
-    if layer.prompt_open:
-        # the prompt (whole, or one of its chunks) attends densely; the selector sees it once it is complete
+    if not layer.prompt_open:
+        return _decode(module, query, key, value, attention_mask, scaling, cache, layer, layer.new_tokens)
+    # the prompt (whole, or one of its chunks) attends densely; the selector sees it once it is complete
+    past_prompt = cache.tokens_past_prompt(layer)
+    if not past_prompt:
         prompt_queries = layer.prompt_queries(query)
         if cache.prompt_ends(layer):
             layer.finish_prompt(key, value, prompt_queries, prompt_key_mask(attention_mask, key.shape[2]))
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    # the forward runs past the prompt's end (assisted generation and prompt lookup send the prompt with their
+    # first candidates): its prompt queries attend densely, the rest decodes as it would in later forwards
+    if layer.selector.stores_kv:
+        raise ConfigError(
+            f"{layer.selector.name} compresses the prompt when it ends, so a forward must not run past it; feed the "
+            "prompt alone first"
+        )
+    q_prompt, n_prompt = query.shape[2] - past_prompt, key.shape[2] - past_prompt
+    mask = None if attention_mask is None else attention_mask[:, :, :q_prompt, :n_prompt]
+    head, _ = sdpa_attention_forward(module, query[:, :, :q_prompt], key[:, :, :n_prompt], value[:, :, :n_prompt],
+                                     mask, dropout, scaling, **kwargs)  # fmt: skip
+    prompt_queries = layer.prompt_queries(query[:, :, :q_prompt])
+    layer.finish_prompt(key[:, :, :n_prompt], value[:, :, :n_prompt], prompt_queries, prompt_key_mask(mask, n_prompt))
+    tail, _ = _decode(module, query[:, :, q_prompt:], key, value, attention_mask, scaling, cache, layer, past_prompt)
+    return torch.cat([head, tail], dim=1), None
 
-    new_keys, new_values = key[..., -layer.new_tokens :, :], value[..., -layer.new_tokens :, :]
 
+def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCache, layer, new_tokens: int):
+    """Sparse attention of the queries of `new_tokens` tokens past the prompt (the last `new_tokens` keys)."""
+    selector, pruner = layer.selector, layer.pruner
+    new_keys, new_values = key[..., -new_tokens:, :], value[..., -new_tokens:, :]
     selector.append(new_keys, new_values)
     if pruner is not None:
         pruner.append(new_keys, new_values)
+    if cache.attend_densely:
+        # a verification forward of lossless decoding: exact attention; the state still follows the cache
+        if selector.stores_kv:
+            raise ConfigError(
+                f"{selector.name} keeps only its compressed K/V, so it cannot verify densely: lossless decoding needs "
+                "a method that keeps the full K/V"
+            )
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
     config = cache.config
     batch, _, q_len, _ = query.shape
     num_keys = key.shape[2]

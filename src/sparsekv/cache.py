@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from sparsekv.config import SparseConfig
+from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.pruners.base import Pruner
 from sparsekv.registry import get_method_class, get_top_p_pruner
-from sparsekv.selectors.base import LayerInfo, Selection, TokenSelector
+from sparsekv.selectors.base import LayerInfo, Selection, TokenSelector, tensor_nbytes
 
 
 def layer_infos(model) -> list[LayerInfo]:
@@ -47,6 +47,7 @@ class SparseLayer(DynamicLayer):
         #: (sparse layers) the prompt is still coming in, in one forward or in chunks: attention is dense, the K/V
         #: stay plain, and the selector's state is built once, from the whole prompt, when it ends (`finish_prompt`)
         self.prompt_open = True
+        self.prompt_tokens = 0
         self._prompt_queries: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -82,7 +83,8 @@ class SparseLayer(DynamicLayer):
         if self._prompt_queries is not None:
             query = torch.cat([self._prompt_queries, query], dim=2)
         if window is not None:
-            query = query[:, :, query.shape[2] - min(window, query.shape[2]) :]
+            # a copy: a view of the tail would keep the whole chunk's queries alive until the prompt ends
+            query = query[:, :, query.shape[2] - min(window, query.shape[2]) :].clone()
         self._prompt_queries = query
         return query
 
@@ -95,6 +97,7 @@ class SparseLayer(DynamicLayer):
         if self.pruner is not None:
             self.pruner.prefill(keys, values, queries)
         self.prompt_open = False
+        self.prompt_tokens = keys.shape[-2]
         self._prompt_queries = None
         if self.selector is not None and self.selector.stores_kv:
             # the selector compressed the prompt in its prefill and keeps every later token itself
@@ -110,13 +113,32 @@ class SparseLayer(DynamicLayer):
     def reset(self) -> None:
         raise NotImplementedError("a SparseCache cannot be reset; create a new one")
 
+    def crop(self, tokens: int) -> None:
+        """Rolls the layer back: a negative `tokens` removes that many of the latest tokens, a positive one keeps
+        the first `tokens` (transformers' two conventions). The selector's and pruner's state follow exactly;
+        the prompt cannot be cut into."""
+        keep = self.length + tokens if tokens <= 0 else min(tokens, self.length)
+        if keep == self.length:
+            return
+        if self.selector is not None and (self.prompt_open or keep < self.prompt_tokens):
+            raise ConfigError(
+                f"a SparseCache can roll back decoded tokens only, not into its {self.prompt_tokens}-token prompt "
+                f"(asked to keep {keep})"
+            )
+        for state in (self.selector, self.pruner):
+            if state is not None:
+                state.crop(keep)
+        self.length, self.new_tokens = keep, 0
+        # the K/V buffer (or a compressing selector's stand-in view) simply ends earlier; later writes overwrite
+        self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
+
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError(
-            "SparseCache does not support cropping, beam search or batch reordering "
-            "(selector state would go stale); use greedy or sampling without beams"
+            "SparseCache does not support beam search or batch reordering (selector state would go stale); "
+            "use greedy or sampling without beams"
         )
 
-    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+    reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
 class BudgetStats:
@@ -221,6 +243,9 @@ class SparseCache(Cache):
         #: token, or a chunk of new tokens as in evaluation) attends sparsely. `model.generate()` under
         #: `sparsekv.enabled` sets it, so that transformers' `prefill_chunk_size` prefills densely.
         self.prompt_length = prompt_length
+        #: every later forward attends densely too (still extending the selectors' state): the verification
+        #: forwards of lossless decoding
+        self.attend_densely = False
         self.stats = BudgetStats(len(infos))
         #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
         self.record_stats = True
@@ -229,6 +254,10 @@ class SparseCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # opaque to torch.compile, like the attention function: lengths and buffers change every step
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def tokens_past_prompt(self, layer: SparseLayer) -> int:
+        """Tokens of the forward in flight that lie past the prompt's end (0 unless its length is known)."""
+        return 0 if self.prompt_length is None else max(0, layer.length - self.prompt_length)
 
     def prompt_ends(self, layer: SparseLayer) -> bool:
         """Whether the forward in flight completes the prompt of `layer` (called while its prompt is open)."""
@@ -239,10 +268,6 @@ class SparseCache(Cache):
         cls, model, config: SparseConfig, initial_capacity: int = 0, prompt_length: int | None = None
     ) -> SparseCache:
         return cls(config, layer_infos(model), initial_capacity, prompt_length)
-
-
-def tensor_nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def cache_memory(cache: SparseCache, capacity: bool = True) -> dict:

@@ -1,5 +1,6 @@
 """`sparsekv` command line. Feature areas add their commands through a `register(app)` function in their own
-module, listed in COMMAND_MODULES, so this file does not grow with every method."""
+`cli.py` module, listed in COMMAND_MODULES, so this file does not grow with every method. The CLI is the top
+layer (docs/ARCHITECTURE.md): only the other CLI modules import this one; library code lives below."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
+from rich import get_console
 from rich.table import Table
 
 from sparsekv.config import ConfigError, SparseConfig
@@ -18,16 +19,14 @@ from sparsekv.config import ConfigError, SparseConfig
 app = typer.Typer(
     no_args_is_help=True, add_completion=False, help="Sparse KV-cache decoding for HF transformers."
 )
-console = Console()
+console = get_console()  # rich's global console: the eval harness's progress bars draw on the same one
 
 #: modules exposing `register(app: typer.Typer)`; a module that is not part of this build is skipped
 COMMAND_MODULES = [
     "sparsekv.eval.cli",
     "sparsekv.bench.cli",
     "sparsekv.training.cli",
-    "sparsekv.selectors.double_sparsity",
-    "sparsekv.selectors.self_index",
-    "sparsekv.prefill.gemfilter",
+    "sparsekv.cli_methods",
 ]
 
 
@@ -110,19 +109,11 @@ DtypeOpt = Annotated[str, typer.Option(help="float32, bfloat16 or float16")]
 OutputOpt = Annotated[Optional[Path], typer.Option(help="write machine-readable JSON here")]
 
 
-def torch_dtype(name: str):
-    import torch
-
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in dtypes:
-        raise ConfigError(f"dtype must be one of {', '.join(dtypes)}, got {name!r}")
-    return dtypes[name]
-
-
 def load(model: str, device: str, dtype: str):
+    """`models.load_model` in the order of the commands' options (the dtype by name)."""
     from sparsekv.models import load_model
 
-    return load_model(model, dtype=torch_dtype(dtype), device=device)
+    return load_model(model, dtype=dtype, device=device)
 
 
 def write_json(path: Path | None, payload: dict) -> None:
@@ -157,6 +148,10 @@ def generate(
     option: OptionOpt = None,
     max_new_tokens: int = 32,
     raw: Annotated[bool, typer.Option(help="do not apply the chat template")] = False,
+    lossless: Annotated[
+        bool, typer.Option("--lossless", help="sparse steps draft, a dense step verifies: dense's exact output")
+    ] = False,
+    draft_tokens: Annotated[int, typer.Option(help="--lossless: tokens drafted per verification")] = 4,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     output: OutputOpt = None,
@@ -168,7 +163,8 @@ def generate(
     config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
     loaded, tokenizer = load(model, device, dtype)
     text = prompt if raw else chat_prompt(tokenizer, prompt)
-    result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens)
+    result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens, lossless=lossless,
+                               draft_tokens=draft_tokens)  # fmt: skip
     console.print(result.texts[0], markup=False, highlight=False)
     console.print(format_stats(result), style="dim")
     write_json(
@@ -185,9 +181,15 @@ def format_stats(result) -> str:
             f"{result.avg_budget_tokens:.1f} of {result.avg_context_tokens:.1f} tokens "
             f"({100 * result.avg_budget_fraction:.1f}%) per step per sparse layer"
         )
+    lossless = (
+        f"; lossless: {100 * result.acceptance_rate:.0f}% of drafts accepted, "
+        f"{result.tokens_per_verification:.2f} tokens per dense verification"
+        if result.acceptance_rate is not None
+        else ""
+    )
     return (
         f"[{result.method}] attended {budget}; prefill {result.prefill_seconds:.2f}s, "
-        f"decode {result.tokens_per_second:.1f} tokens/s"
+        f"decode {result.tokens_per_second:.1f} tokens/s{lossless}"
     )
 
 

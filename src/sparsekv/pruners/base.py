@@ -21,5 +21,8 @@ class Pruner:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Extends the state with newly cached tokens."""
 
+    def crop(self, length: int) -> None:
+        """Rolls the state back to the first `length` cached tokens."""
+
     def prune(self, step: DecodeStep, selection: Selection) -> Selection:
         raise NotImplementedError

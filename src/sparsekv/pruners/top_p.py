@@ -271,6 +271,9 @@ class TopPPruner(Pruner):
         self.length = 0
         self.append(keys, values)
 
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)  # quantized per token
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.exact:
             return

@@ -15,14 +15,15 @@ causality, padding and the GQA policy. A method with another selection rule (top
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import ClassVar
 
 import torch
 
+from sparsekv.budget import budget_tokens
 from sparsekv.config import SparseConfig
+from sparsekv.errors import ConfigError
 from sparsekv.kernels.sparse_attention import selection_mask, sparse_attention
 
 
@@ -149,13 +150,14 @@ class StepHints:
 
 
 def host_budget(config: SparseConfig, visible: int) -> int:
-    """`attention.token_budgets` for one row that sees `visible` tokens (monotone in `visible`), on the host."""
-    forced = min(visible, config.sink + config.local)
-    if isinstance(config.budget, float):
-        budget = math.ceil(visible * config.budget)
-    else:
-        budget = config.budget
-    return max(1, min(max(visible, 1), max(budget, forced)))
+    """`attention.token_budgets` for one row that sees `visible` tokens (monotone in `visible`), on the host: the
+    budget rule (`sparsekv.budget`), raised to the sink/local tokens the row is forced to keep."""
+    return max(budget_tokens(config.budget, visible), min(visible, config.sink + config.local))
+
+
+def tensor_nbytes(t: torch.Tensor | None) -> int:
+    """Bytes of a tensor's elements (0 for None): the unit of a selector's `memory_breakdown` and `cache_memory`."""
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 def to_selection_heads(scores: torch.Tensor, step: DecodeStep) -> torch.Tensor:
@@ -366,6 +368,12 @@ class TokenSelector:
     def check_config(cls, config: SparseConfig) -> None:
         """Raises ConfigError for configs this method cannot run (called when the config is built)."""
 
+    @classmethod
+    def option_fields(cls) -> dict[str, Field]:
+        """The method's options: its init fields beyond the ones every selector has (`registry.method_options`)."""
+        shared = {f.name for f in fields(TokenSelector)}
+        return {f.name: f for f in fields(cls) if f.name not in shared and f.init}
+
     def prefill(
         self,
         keys: torch.Tensor,
@@ -376,6 +384,14 @@ class TokenSelector:
         """Builds the state from the prompt's keys/values (and queries, for methods that look at attention).
 
         key_mask: [B, N] bool, False on left padding (None: no padding)."""
+
+    def crop(self, length: int) -> None:
+        """Rolls the state back to the first `length` cached tokens (never into the prompt): what lossless decoding,
+        assisted generation and prompt lookup need. A method whose state cannot go back says so."""
+        raise ConfigError(
+            f"{self.name} keeps state that cannot be rolled back, so lossless decoding, assisted generation and "
+            "prompt lookup are not available with it"
+        )
 
     def prompt_query_window(self) -> int | None:
         """How many of the prompt's last queries `prefill` reads (None: all of them). A prompt fed in chunks keeps

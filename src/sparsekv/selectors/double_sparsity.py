@@ -9,7 +9,6 @@ of every key at `precision` (int8 with a per-token scale, fp8 e4m3, bf16, fp16 o
 the same channels.
 """
 
-# no `from __future__ import annotations`: typer reads the calibrate-ds signature, whose types are local names
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -149,77 +148,6 @@ def calibrate_channels(model, segments: list[torch.Tensor], progress=None) -> to
     ).float()
 
 
-def register(app) -> None:
-    """Adds `sparsekv calibrate-ds` to the CLI."""
-    from typing import Annotated
-
-    import typer
-
-    @app.command("calibrate-ds")
-    def calibrate_ds(
-        output: Annotated[Path, typer.Option(help="channels file to write (.safetensors)")],
-        model: Annotated[
-            str, typer.Option(help="'default', an HF id, a local HF dir or a .gguf file")
-        ] = "default",
-        text_file: Annotated[
-            Path | None, typer.Option(help="calibration text (default: the Paul Graham essays)")
-        ] = None,
-        tokens: Annotated[int, typer.Option(help="calibration tokens in total")] = 4096,
-        segment: Annotated[int, typer.Option(help="tokens per forward pass")] = 2048,
-        device: Annotated[str, typer.Option(help="cpu, cuda, ...")] = "cpu",
-        dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16")] = "float32",
-    ) -> None:
-        """Rank each layer's and kv-head's key channels by mean |q⊙k| for the double-sparsity method."""
-        from rich.console import Console
-
-        from sparsekv.cli import load
-        from sparsekv.fingerprint import model_fingerprint
-
-        console = Console()
-        if tokens < 1 or segment < 1:
-            raise ConfigError("--tokens and --segment must be >= 1")
-        if text_file is not None:
-            if not text_file.is_file():
-                raise ConfigError(f"text file {text_file} not found")
-            text, source = text_file.read_text(), str(text_file)
-        else:
-            from sparsekv.assets import haystack_text
-
-            text, source = haystack_text(), "paul-graham-essays"
-        loaded, tokenizer = load(model, device, dtype)
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][:, :tokens]
-        if ids.shape[1] < tokens:
-            console.print(
-                f"note: the text has only {ids.shape[1]} tokens; calibrating on those", style="yellow"
-            )
-        segments = list(ids.split(segment, dim=1))
-        with console.status("calibrating...") as status:
-            scores = calibrate_channels(
-                loaded, segments, progress=lambda i, n: status.update(f"calibrating: segment {i}/{n}")
-            )
-        metadata = {
-            "fingerprint": model_fingerprint(loaded),
-            "model": model,
-            "tokens": int(ids.shape[1]),
-            "segment": segment,
-            "text": source,
-            "dtype": dtype,
-            "statistic": "mean|q_c| * mean|k_c| post-RoPE, summed over the kv-head's query group",
-        }
-        save_channels(output, scores, metadata)
-        head_dim = scores.shape[-1]
-        top = max(1, head_dim // 8)
-        share = (scores.sort(-1, descending=True).values[..., :top].sum(-1) / scores.sum(-1)).mean(-1)
-        console.print(
-            f"wrote {output}: {scores.shape[0]} layers x {scores.shape[1]} kv heads x {head_dim} "
-            f"channels from {ids.shape[1]} tokens"
-        )
-        console.print(
-            "share of the |q⊙k| mass in the top d/8 channels, per layer: "
-            + " ".join(f"{float(s):.2f}" for s in share)
-        )
-
-
 # ------------------------------------------------------------------------------------------------------------
 # --- the selector
 
@@ -297,6 +225,9 @@ class DoubleSparsitySelector(TokenSelector):
         k_mean = (step.keys[..., :prompt, :].abs().to(torch.float64) * real).sum(2) / count
         self.selected = rank_channels(channel_scores(q_mean, k_mean))[..., : self.rank]
         self.prompt_query = None
+
+    def crop(self, length: int) -> None:
+        self.built = min(self.built, length)  # labels are per token; the calibrated channels stay
 
     def _sync(self, step: DecodeStep) -> None:
         keys = step.keys

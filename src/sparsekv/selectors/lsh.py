@@ -154,6 +154,9 @@ class LSHSelector(TokenSelector):
         # `step.visible` says which prompt positions are padding
         self.prompt_length = keys.shape[-2]
 
+    def crop(self, length: int) -> None:
+        self.key_codes.length = min(self.key_codes.length, length)  # the prompt's mean stays: length >= prompt
+
     def _sync(self, step: DecodeStep) -> None:
         keys = step.keys
         if self.projection.device != keys.device:

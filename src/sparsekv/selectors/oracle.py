@@ -41,6 +41,9 @@ class OracleTopK(TokenSelector):
 
     name = "oracle-topk"
 
+    def crop(self, length: int) -> None:
+        pass  # no state: every step scores the cached keys exactly
+
     def score(self, step: DecodeStep) -> torch.Tensor:
         return exact_weights(step)
 
@@ -51,6 +54,9 @@ class OracleTopP(TokenSelector):
 
     name = "oracle-topp"
     consumes_top_p = True
+
+    def crop(self, length: int) -> None:
+        pass  # no state: every step scores the cached keys exactly
 
     @classmethod
     def check_config(cls, config) -> None:

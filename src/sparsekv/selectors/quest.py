@@ -61,6 +61,17 @@ class QuestSelector(TokenSelector):
         # which only `step.visible` reveals; later steps extend them incrementally
         self.prompt_length = keys.shape[-2]
 
+    def crop(self, length: int) -> None:
+        if self.start is None or self.built <= length:
+            return
+        # the page holding position `length` (per row: pages start at the row's first real token) and every later
+        # one are rebuilt from the kept keys at the next step; re-reducing a token into its page is idempotent
+        page = (length - self.start).clamp(min=0) // self.page_size  # [B]
+        stale = torch.arange(self.page_max.shape[2], device=page.device)[None, :] >= page[:, None]  # [B, P]
+        self.page_max.masked_fill_(stale[:, None, :, None], float("-inf"))
+        self.page_min.masked_fill_(stale[:, None, :, None], float("inf"))
+        self.built = int((self.start + page * self.page_size).min())
+
     def _sync(self, step: DecodeStep) -> None:
         keys = step.keys
         n = keys.shape[-2]

@@ -77,6 +77,9 @@ class SnapKVSelector(TokenSelector):
     def prompt_query_window(self) -> int | None:
         return self.window
 
+    def crop(self, length: int) -> None:
+        pass  # the votes cover the prompt only, which is never cropped; later tokens rank by recency
+
     def prefill(
         self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None = None
     ) -> None:

@@ -464,6 +464,10 @@ class SpotlightSelector(TokenSelector):
             self._codes[..., self._length : needed, :] = self._hash(keys, "k")
         self._length = needed
 
+    def crop(self, length: int) -> None:
+        self._hash_pending()
+        self._length = min(self._length, length)
+
     def _hash_pending(self) -> None:
         if self._pending is not None:
             t = self._pending.shape[-2]

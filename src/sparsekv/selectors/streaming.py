@@ -19,6 +19,9 @@ class StreamingSelector(TokenSelector):
     name = "streaming"
     sink_tokens: int = 4
 
+    def crop(self, length: int) -> None:
+        pass  # no state: every step ranks the visible tokens afresh
+
     def score(self, step: DecodeStep) -> torch.Tensor:
         visible = step.visible
         order = visible.cumsum(-1)  # 1-based rank of each visible token from the start

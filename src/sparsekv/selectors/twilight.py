@@ -83,6 +83,10 @@ class TwilightSelector(TokenSelector):
     def prompt_query_window(self) -> int | None:
         return self.inner.prompt_query_window()
 
+    def crop(self, length: int) -> None:
+        self.inner.crop(length)
+        self.pruner.crop(length)
+
     def prefill(
         self,
         keys: torch.Tensor,
