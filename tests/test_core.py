@@ -270,7 +270,8 @@ def test_non_empty_foreign_cache_is_rejected(real_model):
             model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
 
 
-@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-mistral", "tiny-llama-mha"])
+@pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-mha",
+                                   "tiny-gemma3", "tiny-phi3"])
 def test_other_architectures_decode_sparsely(shape):
     from sparsekv.models import random_model
 
@@ -280,8 +281,20 @@ def test_other_architectures_decode_sparsely(shape):
     dense = model.generate(ids, max_new_tokens=4, do_sample=False)
     with sparsekv.enabled(model, config):
         sparse = model.generate(ids, max_new_tokens=4, do_sample=False)
-        assert sparsekv.last_cache(model).stats.summary()["avg_budget_tokens"] is not None
+        summary = sparsekv.last_cache(model).stats.summary()
+    assert summary["avg_budget_tokens"] < summary["avg_context_tokens"]
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+    globally = [i for i, kind in enumerate(layer_types) if kind == "full_attention" and i != 0]
+    assert sorted(summary["per_layer_avg_tokens"]) == globally  # sliding-window layers keep their window
     assert sparse.shape == dense.shape
+
+
+def test_a_config_that_selects_in_no_layer_is_refused():
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-gemma3", dtype=torch.float32, seed=0)  # global layers: 2 and 5
+    with pytest.raises(ConfigError, match="select in no layer"):
+        sparsekv.enable(model, SparseConfig(method="lsh", dense_layers=(2, 5)))
 
 
 # ---------------------------------------------------------------- CLI

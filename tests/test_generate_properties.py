@@ -14,7 +14,7 @@ from sparsekv import ConfigError, SparseConfig
 from sparsekv.registry import available_methods, get_method_class
 
 CASES = 48
-SHAPES = ["tiny-llama", "tiny-llama-mha", "tiny-qwen2", "tiny-mistral"]
+SHAPES = ["tiny-llama", "tiny-llama-mha", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma3", "tiny-phi3"]
 NEW_TOKENS = 4
 
 

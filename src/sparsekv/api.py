@@ -28,7 +28,8 @@ class _EnabledState:
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
-    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "q_proj")]
+    # attention modules: a layer index and an output projection (q/k/v may be fused, as in Phi-3)
+    modules = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")]
     if not modules:
         raise ConfigError(f"{type(model).__name__} has no attention modules sparsekv can drive")
     return modules
@@ -76,6 +77,12 @@ def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Spa
     infos = layer_infos(model)
     config.check_model(len(infos))
     method.check_model(model, config)
+    selecting = [i.layer_idx for i in infos if not i.sliding and i.layer_idx not in config.dense_layers]
+    if not (method.dense or method.rewrites_prompt or selecting):
+        raise ConfigError(
+            f"{config.method} would select in no layer of this model: every layer is in dense_layers "
+            f"{config.dense_layers} or attends within a sliding window"
+        )
     cache_name = cache_argument(model)
     if getattr(model, _STATE_ATTR, None) is not None:
         disable(model)

@@ -16,6 +16,7 @@ def layer_infos(model) -> list[LayerInfo]:
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return [
         LayerInfo(
             layer_idx=i,
@@ -24,6 +25,7 @@ def layer_infos(model) -> list[LayerInfo]:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             scaling=head_dim**-0.5,
+            sliding=layer_types[i] == "sliding_attention",
         )
         for i in range(config.num_hidden_layers)
     ]
@@ -229,7 +231,8 @@ class SparseCache(Cache):
         pruner_class = get_top_p_pruner() if prunes else None
         layers = []
         for info in infos:
-            if method.dense or info.layer_idx in config.dense_layers:
+            # a sliding-window layer reads its window whatever is selected: selecting there costs accuracy, saves nothing
+            if method.dense or info.sliding or info.layer_idx in config.dense_layers:
                 layers.append(SparseLayer(None, None, initial_capacity))
                 continue
             selector = method(config, info, **config.options)

@@ -132,6 +132,11 @@ def methods() -> None:
         opts = method_options(name)
         table.add_row(name, ", ".join(f"{k}={f.default!r}" for k, f in opts.items()) or "-")
     console.print(table)
+    console.print(
+        "Every method selects in the layers that attend globally; the config's dense_layers and, in hybrid "
+        "models (e.g. Gemma 3), the sliding-window layers keep their native attention. The stats list the "
+        "layers that selected (per_layer_avg_tokens)."
+    )
 
 
 @app.command()

@@ -264,6 +264,20 @@ MODEL_SHAPES: dict[str, ModelShape] = {
         "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 8192,
         "sliding_window": None,
     }),
+    "tiny-qwen3": ModelShape("qwen3", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 8192,
+    }),
+    # hybrid: sliding-window layers (window 16) around global ones (layers 2 and 5), one kv head, as Gemma 3
+    "tiny-gemma3": ModelShape("gemma3_text", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 6,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 32, "max_position_embeddings": 8192,
+        "sliding_window": 16, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    }),
+    "tiny-phi3": ModelShape("phi3", {
+        **_TINY_IDS, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 8192,
+    }),
     # Real published shapes, for speed benchmarks (random weights, no download).
     # Llama-3.1-8B: the 131072-token context comes with its "llama3" RoPE scaling.
     "llama3-8b": ModelShape("llama", {

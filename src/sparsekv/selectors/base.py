@@ -35,6 +35,8 @@ class LayerInfo:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    #: the layer attends within a sliding window (hybrid models such as Gemma 3): it keeps its native attention
+    sliding: bool = False
 
     @property
     def group_size(self) -> int:
