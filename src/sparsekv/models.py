@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from sparsekv.assets import _TMP_PREFIX, _remove_stale_tmp, cache_dir, default_model_file
+from sparsekv.assets import _TMP_PREFIX, _remove_stale_tmp, cache_dir, default_model_file, gemma3_270m_file
 from sparsekv.errors import ConfigError
 
 __all__ = [
@@ -42,6 +42,26 @@ _DEFAULT_EXPECTED = {
     "num_attention_heads": 9,
     "num_key_value_heads": 3,
     "head_dim": 64,
+}
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a GGUF asset: converted once to a plain safetensors folder in the cache, checked."""
+
+    dirname: str
+    gguf: Callable[[], Path]
+    architecture: str
+    expected: dict[str, Any]
+
+
+EMBEDDED: dict[str, EmbeddedModel] = {
+    "default": EmbeddedModel(DEFAULT_MODEL_DIRNAME, default_model_file, "LlamaForCausalLM", _DEFAULT_EXPECTED),
+    # Gemma 3 270M (base, no chat template): 18 layers, global attention at 5, 11, 17, the others a 512 window
+    "gemma3-270m": EmbeddedModel("gemma3-270m", gemma3_270m_file, "Gemma3ForCausalLM", {
+        "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+        "sliding_window": 512,
+    }),
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[\w.-]+)?$")
 
@@ -74,13 +94,14 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
-    ``spec`` is ``"default"`` (embedded SmolLM2-135M-Instruct), a ``.gguf`` file, a local HF model dir or a hub id.
+    ``spec`` is an embedded model (``"default"``: SmolLM2-135M-Instruct; ``"gemma3-270m"``: Gemma 3 270M base), a
+    ``.gguf`` file, a local HF model dir or a hub id.
     ``dtype`` is a torch dtype or its name (`torch_dtype`).
     """
     dtype = torch_dtype(dtype)
     path = Path(spec).expanduser()
-    if spec == "default":
-        return _load_default(dtype, device)
+    if spec in EMBEDDED:
+        return _load_embedded(spec, dtype, device)
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelLoadError(f"cannot load model {spec!r}: it is a file but not a .gguf; {_HINT}")
@@ -100,32 +121,42 @@ def load_model(
     return _guarded(spec, hint, load)
 
 
-_HINT = "pass 'default', a .gguf file, a local Hugging Face model folder, or a hub id like 'org/name'"
+_HINT = (
+    f"pass an embedded model ({', '.join(EMBEDDED)}), a .gguf file, a local Hugging Face model folder, or a hub id "
+    "like 'org/name'"
+)
 
 
 def default_model_dir() -> Path:
     """Folder of the default model converted to safetensors (converted from the GGUF on first use)."""
-    final = cache_dir() / "models" / DEFAULT_MODEL_DIRNAME
+    return embedded_model_dir("default")
+
+
+def embedded_model_dir(name: str) -> Path:
+    """Folder of an embedded model converted to safetensors (converted from its GGUF on first use)."""
+    final = cache_dir() / "models" / EMBEDDED[name].dirname
     if not final.is_dir():
-        _convert_default(final)
+        _convert_embedded(name, final)
     return final
 
 
-def _load_default(
-    dtype: torch.dtype, device: str | torch.device
+def _load_embedded(
+    name: str, dtype: torch.dtype, device: str | torch.device
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    folder = default_model_dir()
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"cannot load model {name!r} on cuda: this machine has no CUDA GPU (use --device cpu)")
+    folder = embedded_model_dir(name)
     # The converted folder only appears complete (atomic rename), so a failure here is external damage or a
     # dtype/device problem; rebuilding automatically could throw away a good copy, so we only say how to fix it.
     hint = f"if the cached copy is damaged, delete {folder} and retry"
-    model, tok = _guarded("default", hint, partial(_from_pretrained, folder, dtype, device))
-    _check_default(model)
+    model, tok = _guarded(name, hint, partial(_from_pretrained, folder, dtype, device))
+    _check_embedded(name, model)
     return model, tok
 
 
-def _convert_default(final: Path) -> None:
+def _convert_embedded(name: str, final: Path) -> None:
     """Dequantize the embedded GGUF once and save it as a plain safetensors model + tokenizer, atomically."""
-    gguf = default_model_file()
+    gguf = EMBEDDED[name].gguf()
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(final.parent)  # a killed conversion leaves ~0.5 GB behind
     work = Path(tempfile.mkdtemp(prefix=_TMP_PREFIX, dir=final.parent))
@@ -137,14 +168,14 @@ def _convert_default(final: Path) -> None:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = _plain_copy(loaded)
             del loaded
-            _check_default(model)
+            _check_embedded(name, model)
             # fp32 keeps the dequantized Q4_1 values exactly (bf16 would round them).
             model.save_pretrained(work / "out")
             tok.save_pretrained(work / "out")
         except Exception as exc:  # noqa: BLE001 - any failure means no usable conversion
             raise ModelLoadError(
-                f"cannot convert the default model {gguf} to safetensors: {_short(exc)}; delete {gguf.parent.parent} "
-                f"to refetch it"
+                f"cannot convert the embedded model {name!r} ({gguf}) to safetensors: {_short(exc)}; delete "
+                f"{gguf.parent} to refetch it"
             ) from None
         try:
             (work / "out").rename(final)
@@ -179,13 +210,13 @@ def _plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     return plain
 
 
-def _check_default(model: PreTrainedModel) -> None:
-    cfg = model.config
-    got = {key: getattr(cfg, key, None) for key in _DEFAULT_EXPECTED}
-    if type(model).__name__ != "LlamaForCausalLM" or got != _DEFAULT_EXPECTED:
+def _check_embedded(name: str, model: PreTrainedModel) -> None:
+    spec = EMBEDDED[name]
+    got = {key: getattr(model.config, key, None) for key in spec.expected}
+    if type(model).__name__ != spec.architecture or got != spec.expected:
         raise ModelLoadError(
-            f"the default model is not the expected SmolLM2-135M shape: got {type(model).__name__} {got}, "
-            f"expected LlamaForCausalLM {_DEFAULT_EXPECTED}"
+            f"the embedded model {name!r} does not have its expected shape: got {type(model).__name__} {got}, "
+            f"expected {spec.architecture} {spec.expected}"
         )
 
 
