@@ -4,6 +4,8 @@ result cache, CLI parsing. No model needed."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -279,3 +281,52 @@ def test_stale_ok_accepts_a_cell_of_an_older_method_version(tmp_path):
     other = {"m": "x", "config": {"method": "quest", "budget": 0.2, "source": "aaaa", "data": "none"}}
     with pytest.raises(CellNotCached):
         lenient.cached("ppl", other, lambda: pytest.fail("computed"))
+
+
+# ---------------------------------------------------------------------------------------------------- the eval extra
+
+EVAL_EXTRA_LINE = "this needs the eval extra: pip install 'sparsekv[eval]'"
+
+
+def test_plots_without_matplotlib_raise_the_eval_extra_line(monkeypatch, tmp_path):
+    from sparsekv.eval import plots
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as on an install without the extra
+    with pytest.raises(ConfigError, match=f"^{re.escape(EVAL_EXTRA_LINE)}$"):
+        plots.require_plots()
+    with pytest.raises(ConfigError, match=f"^{re.escape(EVAL_EXTRA_LINE)}$"):
+        plots.budget_curve([{"method": "dense", "budget": None, "value": 1.0}], tmp_path / "c.png", "ppl", "t")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_rouge_scorers_without_rouge_score_raise_the_eval_extra_line_before_any_cell(monkeypatch):
+    from sparsekv.eval import scoring
+    from sparsekv.eval.common import ModelHandle
+    from sparsekv.eval.fidelity import run_fidelity
+    from sparsekv.eval.niah import NiahSettings, run_niah
+
+    monkeypatch.setitem(sys.modules, "rouge_score", None)
+    scoring._rouge.cache_clear()  # a scorer built by an earlier test would hide the missing package
+    with pytest.raises(ConfigError, match=f"^{re.escape(EVAL_EXTRA_LINE)}$"):
+        scoring.rougeL_f("the cat sat", "the dog sat")
+    # the tasks that score with Rouge-L check first: loading this model would fail with another error
+    nowhere = ModelHandle(spec="/nonexistent/model")
+    with pytest.raises(ConfigError, match=re.escape(EVAL_EXTRA_LINE)):
+        run_fidelity(nowhere, SparseConfig(method="dense"), prompts=["one two three"])
+    with pytest.raises(ConfigError, match=re.escape(EVAL_EXTRA_LINE)):
+        run_niah(nowhere, SparseConfig(method="dense"), NiahSettings(lengths=(100,), depths=(0.5,)))
+    assert keyword_recall("a sandwich", ["sandwich"]) == 1.0  # the other scorers need no extra
+
+
+def test_cli_reports_a_missing_eval_extra_as_one_line_before_running(tmp_path):
+    # matplotlib blocked in a child process; --output implies a plot, so `eval iou` must stop before loading the
+    # model (a model that does not exist) and write nothing
+    out = tmp_path / "iou.json"
+    code = ("import sys; sys.modules['matplotlib'] = None; from sparsekv.cli import main; "
+            "sys.argv = ['sparsekv', 'eval', 'iou', '--model', sys.argv[1], '--no-cache', '-q', '--output', sys.argv[2]]; "
+            "main()")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "no-model"), str(out)], check=False,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert (proc.stdout + proc.stderr).strip().splitlines() == [f"error: {EVAL_EXTRA_LINE}"]
+    assert not out.exists()

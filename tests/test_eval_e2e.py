@@ -133,6 +133,35 @@ def test_cli_compare_and_ppl_write_json_markdown_and_plot(tiny, tmp_path, monkey
     assert json.loads(single.read_text())["ppl"] == pytest.approx(values[0.05])  # same cell, from the cache
 
 
+#: the cells of test_result_cache_file_names_are_pinned, computed before the runners shared one skeleton
+PINNED_CELLS = [
+    "generate/dcd7b9e6dfebd10ded6d03d7.json",
+    "iou/7a6a5f376c6de439ac2d9e7b.json",
+    "niah/fabc1739ac5f3a140e582e8c.json",
+    "ppl/36605424189b0d3788a49820.json",
+    "ruler/be5c4aa1ca6f914c82078cdb.json",
+]
+
+
+def test_result_cache_file_names_are_pinned(tiny, text, tmp_path):
+    """The file of a cell is named by the digest of its key: a change to any task's key orphans every cached cell
+    (bump PROTOCOL_VERSION on purpose, then update these names)."""
+    from sparsekv.eval.fidelity import run_fidelity
+    from sparsekv.eval.iou import IouSettings, run_iou
+    from sparsekv.eval.niah import NiahSettings, run_niah
+    from sparsekv.eval.ppl import PplSettings, run_ppl
+    from sparsekv.eval.ruler import run_ruler
+
+    dense, cache = SparseConfig(method="dense"), ResultCache(tmp_path)
+    run_ppl(tiny, dense, PplSettings(context=120, prefix=60, chunk=64), text=text[:3000], cache=cache)
+    run_iou(tiny, dense, IouSettings(context=120, queries=8), text=text[:3000], cache=cache)
+    run_niah(tiny, dense, NiahSettings(lengths=(200,), depths=(0.5,), max_new_tokens=1), haystack=text, cache=cache)
+    run_ruler(tiny, dense, tasks=("niah_single",), lengths=(600,), samples=1, filler=text, cache=cache)
+    run_fidelity(tiny, dense, prompts=["one two three"], max_new_tokens=1, cache=cache)
+    names = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.json"))
+    assert names == PINNED_CELLS
+
+
 @pytest.mark.slow
 def test_real_model_ppl_is_sane_and_oracle_approaches_dense(real_model):
     from sparsekv.eval.common import ModelHandle

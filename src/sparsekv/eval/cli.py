@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -24,7 +28,7 @@ from sparsekv.cli import (
     parse_options,
     write_json,
 )
-from sparsekv.config import ConfigError
+from sparsekv.config import ConfigError, SparseConfig
 
 eval_app = typer.Typer(no_args_is_help=True, add_completion=False,
                        help="Offline evaluation: perplexity, needle in a haystack, RULER-style tasks, IoU, fidelity.")
@@ -36,6 +40,8 @@ LocalOpt = Annotated[int, typer.Option(help="most recent tokens always kept")]
 GqaOpt = Annotated[str, typer.Option(help="group (one selection per kv head) or head")]
 PlotOpt = Annotated[Path | None, typer.Option(help="PNG path (default: next to --output, same name)")]
 TextFileOpt = Annotated[Path | None, typer.Option(help="UTF-8 text to evaluate (default: the embedded essays)")]
+WindowsOpt = Annotated[int, typer.Option(help="consecutive windows of the text")]
+StartOpt = Annotated[int, typer.Option(help="token offset of the first window")]
 SeedOpt = Annotated[int, typer.Option(help="seed of generated data and of torch")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="apply the model's chat template to prompts")]
@@ -122,60 +128,113 @@ def _fmt(value, spec: str = "{:.3f}") -> str:
     return "-" if value is None else spec.format(value)
 
 
-# ------------------------------------------------------------------------------------------------ commands
+# ------------------------------------------------------------------------------------------------ the task commands
+
+#: the options every task command takes, around its own: (name, annotation, default); the method's default is the
+#: command's (None here)
+CONFIG_OPTIONS = (("model", ModelOpt, "default"), ("method", MethodOpt, None), ("budget", BudgetOpt, "0.1"),
+                  ("top_p", TopPOpt, None), ("dense_layers", DenseLayersOpt, "0,1"), ("sink", SinkOpt, 0),
+                  ("local", LocalOpt, 0), ("gqa", GqaOpt, "group"), ("option", OptionOpt, None))  # fmt: skip
+RUN_OPTIONS = (("device", DeviceOpt, "cpu"), ("dtype", DtypeOpt, "float32"), ("cache_dir", CacheDirOpt, None),
+               ("no_cache", NoCacheOpt, False), ("quiet", QuietOpt, False), ("output", OutputOpt, None))  # fmt: skip
 
 
-@eval_app.command()
+@dataclass
+class Run:
+    """What a task command gets besides its config and its own options."""
+
+    handle: Any  # eval.common.ModelHandle
+    cache: Any  # eval.common.ResultCache
+    quiet: bool
+
+
+def _parameter(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+def task_command(method: str, plot: Callable[[dict, Path], Path | None] | None = None):
+    """Registers `func(config, run, **own_options) -> payload` as `sparsekv eval <func name>`.
+
+    Its options: the config's (--model, --method defaulting to `method`, --budget, ...), then its own, then
+    --device/--dtype/--cache-dir/--no-cache/--quiet/--output, and --plot when the task draws a figure (`plot(payload,
+    png)`, None when there is nothing to draw). The payload goes to --output as JSON, the figure to --plot (default:
+    next to --output); a missing plotting extra is reported before anything runs."""
+
+    def register_command(func: Callable[..., dict]) -> Callable[..., None]:
+        own = list(inspect.signature(func, eval_str=True).parameters.values())[2:]
+        options = [_parameter(n, a, method if n == "method" else d) for n, a, d in CONFIG_OPTIONS]
+        options += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in own]
+        options += [_parameter(n, a, d) for n, a, d in RUN_OPTIONS]
+        if plot is not None:
+            options.append(_parameter("plot", PlotOpt, None))
+
+        @functools.wraps(func)
+        def command(**values: Any) -> None:
+            shared = {name: values.pop(name) for name, _, _ in CONFIG_OPTIONS + RUN_OPTIONS}
+            config = build_config(*(shared[name] for name, _, _ in CONFIG_OPTIONS[1:]))
+            png = plot_path(values.pop("plot"), shared["output"]) if plot is not None else None
+            if png is not None:
+                from sparsekv.eval.plots import require_plots
+
+                require_plots()
+            run = Run(handle(shared["model"], shared["device"], shared["dtype"]),
+                      result_cache(shared["cache_dir"], shared["no_cache"]), shared["quiet"])  # fmt: skip
+            payload = func(config, run, **values)
+            figure = plot(payload, png) if png is not None else None
+            if figure is not None:
+                payload["plot"] = str(figure)
+            write_json(shared["output"], payload)
+
+        command.__signature__ = inspect.Signature(options, return_annotation=None)
+        command.__annotations__ = {p.name: p.annotation for p in options}
+        eval_app.command()(command)
+        return command
+
+    return register_command
+
+
+def _niah_plot(payload: dict, png: Path) -> Path:
+    from sparsekv.eval.plots import niah_heatmap
+
+    return niah_heatmap(payload, png)
+
+
+def _iou_plot(payload: dict, png: Path) -> Path | None:
+    from sparsekv.eval.plots import iou_map
+
+    return None if payload["mean_iou"] is None else iou_map(payload, png)
+
+
+@task_command(method="dense")
 def ppl(
-    model: ModelOpt = "default",
-    method: MethodOpt = "dense",
-    budget: BudgetOpt = "0.1",
-    top_p: TopPOpt = None,
-    dense_layers: DenseLayersOpt = "0,1",
-    sink: SinkOpt = 0,
-    local: LocalOpt = 0,
-    gqa: GqaOpt = "group",
-    option: OptionOpt = None,
+    config: SparseConfig,
+    run: Run,
     text_file: TextFileOpt = None,
     context: Annotated[int, typer.Option(help="tokens per window")] = 4096,
     prefix: Annotated[int, typer.Option(help="tokens prefilled densely; the rest are decoded sparsely")] = 512,
     chunk: Annotated[int, typer.Option(help="tokens per decode chunk (speed only: results are identical)")] = 256,
-    windows: Annotated[int, typer.Option(help="consecutive windows of the text")] = 1,
-    start: Annotated[int, typer.Option(help="token offset of the first window")] = 0,
+    windows: WindowsOpt = 1,
+    start: StartOpt = 0,
     with_dense: Annotated[bool, typer.Option("--with-dense", help="also report the dense perplexity")] = False,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
-    cache_dir: CacheDirOpt = None,
-    no_cache: NoCacheOpt = False,
-    quiet: QuietOpt = False,
-    output: OutputOpt = None,
-) -> None:
+) -> dict:
     """Decode-faithful perplexity: dense prefill of --prefix tokens, sparse attention for every later token."""
     from sparsekv.eval.ppl import PplSettings, run_ppl
 
-    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
     text, name = read_text(text_file)
     settings = PplSettings(context=context, prefix=prefix, chunk=chunk, windows=windows, start=start)
-    payload = run_ppl(handle(model, device, dtype), config, settings, text=text, text_name=name,
-                      with_dense=with_dense, cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    payload = run_ppl(run.handle, config, settings, text=text, text_name=name, with_dense=with_dense,
+                      cache=run.cache, quiet=run.quiet)  # fmt: skip
     table = Table("method", "ppl", "dense ppl", "tokens scored", "avg tokens attended", "tokens/s")
     table.add_row(config.method, f"{payload['ppl']:.3f}", _fmt(payload.get("dense_ppl")), str(payload["tokens"]),
                   _fmt(payload["avg_budget_tokens"], "{:.1f}"), _fmt(payload["tokens_per_second"], "{:.1f}"))
     console.print(table)
-    write_json(output, payload)
+    return payload
 
 
-@eval_app.command()
+@task_command(method="dense", plot=_niah_plot)
 def niah(
-    model: ModelOpt = "default",
-    method: MethodOpt = "dense",
-    budget: BudgetOpt = "0.1",
-    top_p: TopPOpt = None,
-    dense_layers: DenseLayersOpt = "0,1",
-    sink: SinkOpt = 0,
-    local: LocalOpt = 0,
-    gqa: GqaOpt = "group",
-    option: OptionOpt = None,
+    config: SparseConfig,
+    run: Run,
     lengths: Annotated[str, typer.Option(help="context lengths in tokens, e.g. 500,1K,2K,3K")] = "500,1000,2000,3000",
     depths: Annotated[str, typer.Option(help="needle depths: fractions 0,0.5,1 or percents 0,50,100")] = "0,0.25,0.5,0.75,1",
     needle: Annotated[str | None, typer.Option(help="the needle sentence")] = None,
@@ -186,20 +245,11 @@ def niah(
     max_new_tokens: int = 32,
     chat: ChatOpt = True,
     seed: SeedOpt = 0,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
-    cache_dir: CacheDirOpt = None,
-    no_cache: NoCacheOpt = False,
-    quiet: QuietOpt = False,
-    output: OutputOpt = None,
-    plot: PlotOpt = None,
-) -> None:
+) -> dict:
     """Needle in a haystack over context lengths x depths; greedy answers, per-cell score, heatmap PNG."""
     from sparsekv.eval.haystack import NEEDLE, QUESTION, read_haystack_dir
     from sparsekv.eval.niah import NiahSettings, run_niah
-    from sparsekv.eval.plots import niah_heatmap
 
-    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
     settings = NiahSettings(
         lengths=parse_ints(lengths, "--lengths"), depths=parse_depths(depths), needle=needle or NEEDLE,
         question=question or QUESTION,
@@ -207,8 +257,8 @@ def niah(
         scorer=scorer, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
     )  # fmt: skip
     hay, hay_name = (read_haystack_dir(haystack_dir), str(haystack_dir)) if haystack_dir else (None, "paul-graham-essays")
-    payload = run_niah(handle(model, device, dtype), config, settings, haystack=hay, haystack_name=hay_name,
-                       cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    payload = run_niah(run.handle, config, settings, haystack=hay, haystack_name=hay_name, cache=run.cache,
+                       quiet=run.quiet)  # fmt: skip
     table = Table("length", *[f"{100 * d:.0f}%" for d in settings.depths], "mean")
     for n in settings.lengths:
         row = [c for c in payload["cells"] if c["length"] == n]
@@ -216,87 +266,52 @@ def niah(
     console.print(table)
     console.print(f"[{config.method}] mean {payload['scorer']}: {payload['score']:.3f}; avg tokens attended "
                   f"{_fmt(payload['avg_budget_tokens'], '{:.1f}')}", markup=False)  # fmt: skip
-    png = plot_path(plot, output)
-    if png is not None:
-        payload["plot"] = str(niah_heatmap(payload, png))
-    write_json(output, payload)
+    return payload
 
 
-@eval_app.command()
+@task_command(method="dense")
 def ruler(
-    model: ModelOpt = "default",
-    method: MethodOpt = "dense",
-    budget: BudgetOpt = "0.1",
-    top_p: TopPOpt = None,
-    dense_layers: DenseLayersOpt = "0,1",
-    sink: SinkOpt = 0,
-    local: LocalOpt = 0,
-    gqa: GqaOpt = "group",
-    option: OptionOpt = None,
+    config: SparseConfig,
+    run: Run,
     tasks: Annotated[str, typer.Option(help="comma-separated tasks")] = (
         "niah_single,niah_multikey,niah_multivalue,variable_tracking,common_words,freq_words"),
     lengths: Annotated[str, typer.Option(help="prompt lengths in tokens, e.g. 1K,2K")] = "1000,2000",
     samples: Annotated[int, typer.Option(help="samples per task and length")] = 4,
     seed: SeedOpt = 0,
     chat: ChatOpt = True,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
-    cache_dir: CacheDirOpt = None,
-    no_cache: NoCacheOpt = False,
-    quiet: QuietOpt = False,
-    output: OutputOpt = None,
-) -> None:
+) -> dict:
     """RULER-style tasks generated locally from --seed, scored exactly (string_match_all)."""
     from sparsekv.eval.ruler import run_ruler
 
-    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
     task_list = tuple(t.strip() for t in tasks.split(",") if t.strip())
     length_list = parse_ints(lengths, "--lengths")
-    payload = run_ruler(handle(model, device, dtype), config, tasks=task_list, lengths=length_list,
-                        samples=samples, seed=seed, chat=chat, cache=result_cache(cache_dir, no_cache),
-                        quiet=quiet)  # fmt: skip
+    payload = run_ruler(run.handle, config, tasks=task_list, lengths=length_list, samples=samples, seed=seed,
+                        chat=chat, cache=run.cache, quiet=run.quiet)  # fmt: skip
     table = Table("task", *[str(n) for n in length_list], "mean")
     for task in task_list:
         by_length = payload["score_by_task_length"][task]
         table.add_row(task, *[_fmt(by_length[str(n)]) for n in length_list], _fmt(payload["score_by_task"][task]))
     table.add_row("all", *["" for _ in length_list], _fmt(payload["score"]))
     console.print(table)
-    write_json(output, payload)
+    return payload
 
 
-@eval_app.command()
+@task_command(method="oracle-topk", plot=_iou_plot)
 def iou(
-    model: ModelOpt = "default",
-    method: MethodOpt = "oracle-topk",
-    budget: BudgetOpt = "0.1",
-    top_p: TopPOpt = None,
-    dense_layers: DenseLayersOpt = "0,1",
-    sink: SinkOpt = 0,
-    local: LocalOpt = 0,
-    gqa: GqaOpt = "group",
-    option: OptionOpt = None,
+    config: SparseConfig,
+    run: Run,
     text_file: TextFileOpt = None,
     context: Annotated[int, typer.Option(help="tokens per window")] = 2048,
     queries: Annotated[int, typer.Option(help="last tokens of each window whose selections are compared")] = 64,
-    windows: Annotated[int, typer.Option(help="consecutive windows of the text")] = 1,
-    start: Annotated[int, typer.Option(help="token offset of the first window")] = 0,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
-    cache_dir: CacheDirOpt = None,
-    no_cache: NoCacheOpt = False,
-    quiet: QuietOpt = False,
-    output: OutputOpt = None,
-    plot: PlotOpt = None,
-) -> None:
+    windows: WindowsOpt = 1,
+    start: StartOpt = 0,
+) -> dict:
     """Per layer/head IoU and recall of the method's top-k vs the oracle top-k at the same budget, on real text."""
     from sparsekv.eval.iou import IouSettings, run_iou
-    from sparsekv.eval.plots import iou_map
 
-    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
     text, name = read_text(text_file)
     settings = IouSettings(context=context, queries=queries, windows=windows, start=start)
-    payload = run_iou(handle(model, device, dtype), config, settings, text=text, text_name=name,
-                      cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+    payload = run_iou(run.handle, config, settings, text=text, text_name=name, cache=run.cache, quiet=run.quiet)
     table = Table("layer", "iou", "recall", "attention mass kept", "oracle mass")
     for layer, value in enumerate(payload["iou_per_layer"]):
         if value is None:
@@ -307,52 +322,35 @@ def iou(
     table.add_row("mean", _fmt(payload["mean_iou"]), _fmt(payload["mean_recall"]), _fmt(payload["mean_mass"]),
                   _fmt(payload["mean_oracle_mass"]))
     console.print(table)
-    png = plot_path(plot, output)
-    if png is not None and payload["mean_iou"] is not None:
-        payload["plot"] = str(iou_map(payload, png))
-    write_json(output, payload)
+    return payload
 
 
-@eval_app.command()
+@task_command(method="oracle-topk")
 def fidelity(
-    model: ModelOpt = "default",
-    method: MethodOpt = "oracle-topk",
-    budget: BudgetOpt = "0.1",
-    top_p: TopPOpt = None,
-    dense_layers: DenseLayersOpt = "0,1",
-    sink: SinkOpt = 0,
-    local: LocalOpt = 0,
-    gqa: GqaOpt = "group",
-    option: OptionOpt = None,
+    config: SparseConfig,
+    run: Run,
     prompts_file: Annotated[Path | None, typer.Option(help=".jsonl/.json/.txt prompts (default: essay passages)")] = None,
     samples: Annotated[int, typer.Option(help="default prompts: how many passages")] = 4,
     context: Annotated[int, typer.Option(help="default prompts: tokens per passage")] = 1000,
     max_new_tokens: int = 48,
     chat: ChatOpt = True,
     seed: SeedOpt = 0,
-    device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
-    cache_dir: CacheDirOpt = None,
-    no_cache: NoCacheOpt = False,
-    quiet: QuietOpt = False,
-    output: OutputOpt = None,
-) -> None:
+) -> dict:
     """Rouge-L (F) of the method's greedy output vs the dense model's greedy output, per prompt and mean."""
     from sparsekv.eval.fidelity import read_prompts, run_fidelity
 
-    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
     prompts = read_prompts(prompts_file) if prompts_file else None
-    payload = run_fidelity(handle(model, device, dtype), config, prompts=prompts,
+    payload = run_fidelity(run.handle, config, prompts=prompts,
                            prompts_name=str(prompts_file) if prompts_file else "haystack passages", samples=samples,
-                           context=context, max_new_tokens=max_new_tokens, chat=chat, seed=seed,
-                           cache=result_cache(cache_dir, no_cache), quiet=quiet)  # fmt: skip
+                           context=context, max_new_tokens=max_new_tokens, chat=chat, seed=seed, cache=run.cache,
+                           quiet=run.quiet)  # fmt: skip
     table = Table("#", "rougeL vs dense", "identical", f"{config.method} output")
     for cell in payload["cells"]:
         table.add_row(str(cell["index"]), f"{cell['rougeL']:.3f}", "yes" if cell["exact"] else "no",
                       cell["output"].strip()[:80])
     console.print(table)
     console.print(f"mean Rouge-L {payload['rougeL']:.3f}, identical {payload['exact']:.2f}", markup=False)
-    write_json(output, payload)
+    return payload
 
 
 @eval_app.command()
@@ -402,6 +400,11 @@ def compare(
     budget_list = parse_budgets(budgets)
     base = {"top_p": top_p, "dense_layers": parse_layers(dense_layers), "sink": sink, "local": local, "gqa": gqa}
     cache = result_cache(cache_dir, no_cache, only_cached, stale_ok)
+    png = plot_path(plot, output)
+    if png is not None:
+        from sparsekv.eval.plots import require_plots
+
+        require_plots()  # before the run, not after it
     runner, settings_note = _task_runner(task, model, device, dtype, cache, text_file,
                                          context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
                                          samples, prompts_file, seed)  # fmt: skip
@@ -418,7 +421,6 @@ def compare(
         md.parent.mkdir(parents=True, exist_ok=True)
         md.write_text(f"{cmp.TASK_SPECS[task].label} on {model}; {settings_note}\n\n{table}")
         payload["markdown_file"] = str(md)
-    png = plot_path(plot, output)
     if png is not None:
         payload["plot"] = str(cmp.plot(result, png, f"{cmp.TASK_SPECS[task].label}, {model}: {settings_note}"))
     write_json(output, payload)

@@ -1,9 +1,14 @@
-"""What every evaluation task shares: lazy model loading, config keys, the per-cell result cache, progress."""
+"""What every evaluation task shares: lazy model loading, config keys, the per-cell result cache, progress, and the
+skeleton a task runs on them (`TaskRun`: cells keyed and cached, one progress bar, the payload header; the text
+windows and the sparse forward passes of the window tasks; the seeded greedy generation of the prompt tasks). A task
+module keeps only what is its own: its data, its cell's computation and its metric."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -13,11 +18,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Self
 
 import torch
 
-from sparsekv.config import SparseConfig
+import sparsekv
+from sparsekv.cache import SparseCache
+from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.hf_compat import cache_kwargs
 from sparsekv.registry import TOP_P_PRUNER, get_method_class
 
 #: bump when a task's protocol changes so that cached cells of the old protocol are not reused
@@ -52,6 +61,11 @@ class ModelHandle:
         if self.tokenizer is None:
             self.get()
         return self.tokenizer
+
+    @property
+    def label(self) -> str:
+        """The model as the JSON outputs name it."""
+        return self.spec if self.name is None else self.name
 
     @property
     def key(self) -> dict:
@@ -338,11 +352,162 @@ class Progress:
             self._progress.__exit__(*exc)
 
 
-@contextlib.contextmanager
-def timer() -> Iterator[list[float]]:
-    box = [0.0]
-    start = time.perf_counter()
+# ------------------------------------------------------------------------------------------------ optional extras
+
+EVAL_EXTRA = "this needs the eval extra: pip install 'sparsekv[eval]'"
+
+
+def require_extra(module: str) -> ModuleType:
+    """Imports `module` of a package of the eval extra (matplotlib, rouge_score); when the package is not installed,
+    a ConfigError whose message is the install line (the CLI prints it as one line; the ModuleNotFoundError that
+    names the package is its cause)."""
+    package = module.partition(".")[0]
     try:
-        yield box
-    finally:
-        box[0] = time.perf_counter() - start
+        importlib.import_module(package)  # first: a submodule imported earlier would hide a package gone since
+        return importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.partition(".")[0] != package:
+            raise  # the package is there but something it needs is missing: not the extra's business
+        raise ConfigError(EVAL_EXTRA) from error
+
+
+# ------------------------------------------------------------------------------------------------ the task skeleton
+
+
+def default_text(text: str | None) -> str:
+    """`text`, else the embedded Paul Graham essays: every task's default data."""
+    if text is not None:
+        return text
+    from sparsekv.assets import haystack_text
+
+    return haystack_text()
+
+
+class TaskRun:
+    """The loop of a task: cells keyed by the model, the cell's own fields and the config, each computed through
+    the result cache (`compute` runs only on a miss, so a fully cached run never loads the model), one progress
+    bar over them, and the header of the task's JSON payload.
+
+        with TaskRun("niah", handle, cache, len(grid), f"niah {describe(config)}", quiet) as run:
+            for length, depth in grid:
+                cell = run.cell(config, {"length": length, ...}, compute, label=f"{length} tokens")
+                run.advance(f"{length}: {score:.2f}")
+        return run.payload(config, score=...)
+
+    `cells` names the result-cache folder when it is not the task's own (fidelity stores plain generations).
+    """
+
+    def __init__(self, task: str, handle: ModelHandle, cache: ResultCache = NO_CACHE, total: int = 0,
+                 description: str | None = None, quiet: bool = True, cells: str | None = None):  # fmt: skip
+        self.task = task
+        self.handle = handle
+        self.cache = cache
+        self.cells = cells or task
+        self.progress = Progress(total, description or task, quiet=quiet)
+
+    def __enter__(self) -> Self:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def cell(self, config: SparseConfig, fields: dict, compute: Callable[[], dict], label: str | None = None) -> dict:
+        """The cached result of one cell; its key is {model..., **fields, "config": config_key(config)}."""
+        if label is not None:
+            self.progress.label(label)
+        key = {**self.handle.key, **fields, "config": config_key(config)}
+        return self.cache.cached(self.cells, key, compute)
+
+    def advance(self, text: str = "") -> None:
+        self.progress.advance(text)
+
+    def payload(self, config: SparseConfig, **fields: Any) -> dict:
+        """The task's JSON: task, model and config first, then the task's own fields."""
+        return {"task": self.task, "model": self.handle.label, "config": config_dict(config), **fields}
+
+
+def budget_summary(cells: list[dict], weight: str = "new_tokens",
+                   names: tuple[str, ...] = ("avg_budget_tokens", "avg_budget_fraction")) -> dict:  # fmt: skip
+    """The cells' budgets (`names`), each a mean of the cells' values weighted by the cells' `weight` field."""
+    return {name: weighted_budget([(c[name], c[weight]) for c in cells]) for name in names}
+
+
+# window tasks (ppl, iou): windows of a text, each decoded through one fresh SparseCache
+
+
+def token_windows(tokenizer, text: str, context: int, windows: int = 1, start: int = 0) -> list[torch.Tensor]:
+    """`windows` consecutive non-overlapping windows of `context` token ids ([1, context] each), the first at
+    token `start` of the text."""
+    needed = start + windows * context
+    # tokenize only as much text as needed (about 3-5 characters per token for English), growing if short
+    chars = needed * 6 + 1000
+    while True:
+        ids = tokenizer(text[:chars], add_special_tokens=False, return_tensors="pt").input_ids[0]
+        if len(ids) >= needed + 1 or chars >= len(text):
+            break
+        chars *= 2
+    if len(ids) < needed:
+        raise ConfigError(
+            f"the text has {len(ids)} tokens, fewer than start + windows x context = {needed}; "
+            "use a longer text or fewer/shorter windows"
+        )
+    return [ids[start + i * context : start + (i + 1) * context][None] for i in range(windows)]
+
+
+class TextWindows:
+    """The data of a window task: `text` (default: the essays, named "haystack") cut into `windows` windows of
+    `context` tokens from token `start`, tokenized on first use (a fully cached run never loads the tokenizer)."""
+
+    def __init__(self, handle: ModelHandle, text: str | None, name: str, context: int, windows: int = 1,
+                 start: int = 0):  # fmt: skip
+        self.handle = handle
+        self.name = "haystack" if text is None else name
+        self.text = default_text(text)
+        self.digest = digest(self.text)
+        self.context, self.windows, self.start = context, windows, start
+
+    @functools.cached_property
+    def ids(self) -> list[torch.Tensor]:
+        return token_windows(self.handle.get_tokenizer(), self.text, self.context, self.windows, self.start)
+
+    def fields(self, settings: dict, window: int) -> dict:
+        """A window cell's own key fields: the text, the task's settings, the window."""
+        return {"text": self.digest, "settings": settings, "window": window}
+
+
+@dataclass
+class SparsePass:
+    """One window's forward passes through the model with a method enabled and one fresh SparseCache:
+    `run(ids)` feeds a chunk (its queries select from their own causal past); `seconds` is set on exit."""
+
+    model: Any
+    cache: SparseCache
+    seconds: float = 0.0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def __call__(self, ids: torch.Tensor, **kwargs: Any) -> Any:
+        return self.model(input_ids=ids, **cache_kwargs(self.model, self.cache), use_cache=True, **kwargs)
+
+
+@contextlib.contextmanager
+def sparse_pass(model, config: SparseConfig) -> Iterator[SparsePass]:
+    """A SparsePass of `config` on `model`, timed from the first forward to the end of the block."""
+    run = SparsePass(model, SparseCache.for_model(model, config))
+    start = time.perf_counter()
+    with torch.inference_mode(), sparsekv.enabled(model, config):
+        yield run
+        run.seconds = time.perf_counter() - start
+
+
+# prompt tasks (niah, ruler, fidelity): one seeded greedy generation per cell
+
+
+def greedy(handle: ModelHandle, config: SparseConfig, prompt: str, max_new_tokens: int, seed: int):
+    """`sparsekv.generate` of `prompt` (already chat-formatted) with torch seeded: a GenerationResult."""
+    model, tokenizer = handle.get()
+    seed_everything(seed)
+    return sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=max_new_tokens)

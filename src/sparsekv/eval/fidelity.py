@@ -11,22 +11,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import sparsekv
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import (
     NO_CACHE,
     ModelHandle,
-    Progress,
     ResultCache,
-    config_dict,
-    config_key,
+    TaskRun,
+    budget_summary,
+    default_text,
     describe,
     digest,
+    greedy,
     mean,
-    seed_everything,
-    weighted_budget,
 )
-from sparsekv.eval.scoring import rougeL_f
+from sparsekv.eval.scoring import require_rouge, rougeL_f
 
 INSTRUCTIONS = (
     "Summarize the text above in three sentences.",
@@ -55,11 +53,7 @@ def read_prompts(path: Path) -> list[str]:
 
 def default_prompts(tokenizer, samples: int, context: int, text: str | None = None) -> list[str]:
     """`samples` prompts: passages of `context` tokens spread over the essays, each with an instruction."""
-    if text is None:
-        from sparsekv.assets import haystack_text
-
-        text = haystack_text()
-    ids = tokenizer(text, add_special_tokens=False).input_ids
+    ids = tokenizer(default_text(text), add_special_tokens=False).input_ids
     stride = max(context, (len(ids) - context) // max(samples, 1))
     prompts = []
     for i in range(samples):
@@ -75,10 +69,8 @@ def _generate_cell(handle: ModelHandle, config: SparseConfig, prompt: str, chat:
                    seed: int) -> dict:  # fmt: skip
     from sparsekv.models import chat_prompt
 
-    model, tokenizer = handle.get()
-    seed_everything(seed)
-    text = chat_prompt(tokenizer, prompt) if chat else prompt
-    result = sparsekv.generate(model, tokenizer, text, config, max_new_tokens=max_new_tokens)
+    text = chat_prompt(handle.get_tokenizer(), prompt) if chat else prompt
+    result = greedy(handle, config, text, max_new_tokens, seed)
     return {"output": result.texts[0], "avg_budget_tokens": result.avg_budget_tokens,
             "avg_budget_fraction": result.avg_budget_fraction, "new_tokens": result.new_tokens}  # fmt: skip
 
@@ -96,36 +88,37 @@ def run_fidelity(
     cache: ResultCache = NO_CACHE,
     quiet: bool = True,
 ) -> dict:
+    require_rouge()  # the metric: fail before the first generation, not after it
     if prompts is None:
         prompts = default_prompts(handle.get_tokenizer(), samples, context)
     dense = SparseConfig(method="dense")
     cells = []
-    with Progress(len(prompts), f"fidelity {describe(config)}", quiet=quiet) as progress:
+    # the cells are plain generations (task "generate"): the dense ones are shared by every method's run
+    with TaskRun("fidelity", handle, cache, len(prompts), f"fidelity {describe(config)}", quiet=quiet,
+                 cells="generate") as run:  # fmt: skip
         for i, prompt in enumerate(prompts):
-            base = {**handle.key, "prompt": digest(prompt), "chat": chat, "max_new_tokens": max_new_tokens,
-                    "seed": seed}  # fmt: skip
+            fields = {"prompt": digest(prompt), "chat": chat, "max_new_tokens": max_new_tokens, "seed": seed}
             outputs = {}
             for name, cfg in (("dense", dense), ("method", config)):
-                outputs[name] = cache.cached("generate", {**base, "config": config_key(cfg)},
-                                             lambda cfg=cfg, prompt=prompt: _generate_cell(handle, cfg, prompt, chat,
-                                                                            max_new_tokens, seed))  # fmt: skip
+
+                def compute(cfg=cfg, prompt=prompt):
+                    return _generate_cell(handle, cfg, prompt, chat, max_new_tokens, seed)
+
+                outputs[name] = run.cell(cfg, fields, compute)
             out, ref = outputs["method"]["output"], outputs["dense"]["output"]
             cells.append({"index": i, "output": out, "dense_output": ref, "rougeL": rougeL_f(out, ref),
                           "exact": float(out.strip() == ref.strip()),
                           "avg_budget_tokens": outputs["method"]["avg_budget_tokens"],
                           "avg_budget_fraction": outputs["method"]["avg_budget_fraction"],
                           "new_tokens": outputs["method"]["new_tokens"]})  # fmt: skip
-            progress.advance(f"#{i}: {cells[-1]['rougeL']:.2f}")
-    return {
-        "task": "fidelity",
-        "model": handle.spec if handle.name is None else handle.name,
-        "config": config_dict(config),
-        "prompts": prompts_name,
-        "metric": "rougeL_f vs dense output",
-        "score": mean(c["rougeL"] for c in cells),
-        "rougeL": mean(c["rougeL"] for c in cells),
-        "exact": mean(c["exact"] for c in cells),
-        "avg_budget_tokens": weighted_budget([(c["avg_budget_tokens"], c["new_tokens"]) for c in cells]),
-        "avg_budget_fraction": weighted_budget([(c["avg_budget_fraction"], c["new_tokens"]) for c in cells]),
-        "cells": cells,
-    }
+            run.advance(f"#{i}: {cells[-1]['rougeL']:.2f}")
+    return run.payload(
+        config,
+        prompts=prompts_name,
+        metric="rougeL_f vs dense output",
+        score=mean(c["rougeL"] for c in cells),
+        rougeL=mean(c["rougeL"] for c in cells),
+        exact=mean(c["exact"] for c in cells),
+        **budget_summary(cells),
+        cells=cells,
+    )

@@ -13,27 +13,24 @@ No method-specific code: any registered method is observed through the same hook
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
-import sparsekv
 from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import (
     NO_CACHE,
     ModelHandle,
-    Progress,
     ResultCache,
-    config_dict,
-    config_key,
+    TaskRun,
+    TextWindows,
     describe,
-    digest,
     mean,
+    sparse_pass,
 )
-from sparsekv.hf_compat import cache_kwargs
-from sparsekv.selectors.base import DecodeStep, Selection, to_selection_heads
+from sparsekv.selectors.base import DecodeStep, Selection
+from sparsekv.selectors.oracle import exact_weights  # [B, S, Q, N]: the oracle's own weights
 
 METRICS = ("iou", "recall", "mass", "oracle_mass")
 
@@ -48,15 +45,6 @@ class IouSettings:
     def check(self) -> None:
         if self.queries < 1 or self.queries >= self.context:
             raise ConfigError(f"need 1 <= queries < context, got queries={self.queries}, context={self.context}")
-
-
-def exact_weights(step: DecodeStep) -> torch.Tensor:
-    """Softmax weights [B, S, Q, N] of the selection heads (group policy: summed over the group's query heads)."""
-    layer = step.layer
-    keys = step.keys.repeat_interleave(layer.group_size, dim=1)
-    logits = torch.matmul(step.query.float(), keys.float().transpose(-1, -2)) * layer.scaling
-    logits = logits.masked_fill(~step.visible[:, None], float("-inf"))
-    return to_selection_heads(torch.softmax(logits, dim=-1), step)
 
 
 def compare_selection(step: DecodeStep, selection: Selection) -> dict[str, torch.Tensor]:
@@ -135,23 +123,20 @@ class SelectionObserver:
 
 @torch.inference_mode()
 def window_iou(model, ids: torch.Tensor, config: SparseConfig, queries: int) -> dict:
-    device = next(model.parameters()).device
-    ids = ids.to(device)
     prefix = ids.shape[1] - queries
-    cache = SparseCache.for_model(model, config)
-    observer = SelectionObserver(cache)
-    start = time.perf_counter()
-    with sparsekv.enabled(model, config):
-        model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-        model(input_ids=ids[:, prefix:], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    stats = cache.stats.summary()
-    num_layers = len(cache.layers)
+    with sparse_pass(model, config) as run:
+        observer = SelectionObserver(run.cache)
+        ids = ids.to(run.device)
+        run(ids[:, :prefix], logits_to_keep=1)
+        run(ids[:, prefix:], logits_to_keep=1)
+    stats = run.cache.stats.summary()
+    num_layers = len(run.cache.layers)
     return {
         "per_head": {name: observer.per_head(num_layers, name) for name in METRICS},
         "rows": [observer.rows.get(i, 0) for i in range(num_layers)],
         "avg_budget_tokens": stats["avg_budget_tokens"],
         "avg_context_tokens": stats["avg_context_tokens"],
-        "seconds": time.perf_counter() - start,
+        "seconds": run.seconds,
     }
 
 
@@ -178,43 +163,20 @@ def run_iou(
     cache: ResultCache = NO_CACHE,
     quiet: bool = True,
 ) -> dict:
-    from sparsekv.eval.ppl import PplSettings, text_windows
-
     settings.check()
-    if text is None:
-        from sparsekv.assets import haystack_text
-
-        text, text_name = haystack_text(), "haystack"
-    text_id = digest(text)
+    data = TextWindows(handle, text, text_name, settings.context, settings.windows, settings.start)
     parts = []
-    windows = None
-    with Progress(settings.windows, f"iou {describe(config)}", quiet=quiet) as progress:
+    with TaskRun("iou", handle, cache, settings.windows, f"iou {describe(config)}", quiet=quiet) as run:
         for w in range(settings.windows):
-            key = {**handle.key, "text": text_id, "settings": settings.__dict__, "window": w,
-                   "config": config_key(config)}  # fmt: skip
 
             def compute(w=w):
-                nonlocal windows
-                model, tokenizer = handle.get()
-                if windows is None:
-                    ppl_settings = PplSettings(context=settings.context, prefix=settings.context - settings.queries,
-                                               windows=settings.windows, start=settings.start)  # fmt: skip
-                    windows = text_windows(tokenizer, text, ppl_settings)
-                return window_iou(model, windows[w], config, settings.queries)
+                return window_iou(handle.get()[0], data.ids[w], config, settings.queries)
 
-            parts.append(cache.cached("iou", key, compute))
-            progress.advance(f"window {w + 1}")
-    payload = {
-        "task": "iou",
-        "model": handle.spec if handle.name is None else handle.name,
-        "config": config_dict(config),
-        "text": text_name,
-        "context": settings.context,
-        "queries": settings.queries,
-        "windows": settings.windows,
-        "avg_budget_tokens": mean(p["avg_budget_tokens"] for p in parts),
-        "avg_context_tokens": mean(p["avg_context_tokens"] for p in parts),
-    }
+            parts.append(run.cell(config, data.fields(settings.__dict__, w), compute))
+            run.advance(f"window {w + 1}")
+    payload = run.payload(config, text=data.name, context=settings.context, queries=settings.queries,
+                          windows=settings.windows, avg_budget_tokens=mean(p["avg_budget_tokens"] for p in parts),
+                          avg_context_tokens=mean(p["avg_context_tokens"] for p in parts))  # fmt: skip
     for name in METRICS:
         grid = _combine(parts, name)
         payload[f"{name}_per_head"] = grid

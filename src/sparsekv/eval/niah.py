@@ -11,23 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import sparsekv
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import (
     NO_CACHE,
     ModelHandle,
-    Progress,
     ResultCache,
-    config_dict,
-    config_key,
+    TaskRun,
+    budget_summary,
+    default_text,
     describe,
     digest,
+    greedy,
     mean,
-    seed_everything,
-    weighted_budget,
 )
 from sparsekv.eval.haystack import NEEDLE, QUESTION, needle_prompt
-from sparsekv.eval.scoring import default_keywords, keyword_recall, rougeL_recall
+from sparsekv.eval.scoring import default_keywords, keyword_recall, require_rouge, rougeL_recall
 
 DEFAULT_KEYWORDS = ["sandwich", "Dolores Park", "sunny"]
 SCORERS = ("keyword-recall", "rougeL-recall")
@@ -90,29 +88,24 @@ def run_niah(
     quiet: bool = True,
 ) -> dict:
     settings.check()
-    if haystack is None:
-        from sparsekv.assets import haystack_text
-
-        haystack = haystack_text()
+    require_rouge()  # every cell is also scored by Rouge-L recall: fail before the first cell, not after it
+    haystack = default_text(haystack)
     hay_id = digest(haystack)
     cells = []
     grid = [(n, d) for n in settings.lengths for d in settings.depths]
-    with Progress(len(grid), f"niah {describe(config)}", quiet=quiet) as progress:
+    with TaskRun("niah", handle, cache, len(grid), f"niah {describe(config)}", quiet=quiet) as run:
         for length, depth in grid:
-            progress.label(f"{length} tokens, depth {depth:.0%}")
-            key = {**handle.key, "haystack": hay_id, "length": length, "depth": depth, "needle": settings.needle,
-                   "question": settings.question, "max_new_tokens": settings.max_new_tokens,
-                   "chat": settings.chat, "seed": settings.seed, "config": config_key(config)}  # fmt: skip
+            fields = {"haystack": hay_id, "length": length, "depth": depth, "needle": settings.needle,
+                      "question": settings.question, "max_new_tokens": settings.max_new_tokens,
+                      "chat": settings.chat, "seed": settings.seed}  # fmt: skip
 
             def compute(length=length, depth=depth):
-                model, tokenizer = handle.get()
+                tokenizer = handle.get_tokenizer()
                 prompt = build_prompt(tokenizer, length, depth, settings, haystack)
-                seed_everything(settings.seed)
-                result = sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=settings.max_new_tokens)
-                rows = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+                result = greedy(handle, config, prompt, settings.max_new_tokens, settings.seed)
                 return {
                     "answer": result.texts[0],
-                    "prompt_tokens": rows,
+                    "prompt_tokens": len(tokenizer(prompt, add_special_tokens=False).input_ids),
                     "avg_budget_tokens": result.avg_budget_tokens,
                     "avg_context_tokens": result.avg_context_tokens,
                     "avg_budget_fraction": result.avg_budget_fraction,
@@ -120,27 +113,24 @@ def run_niah(
                     "decode_tokens_per_second": result.tokens_per_second,
                 }
 
-            cell = dict(cache.cached("niah", key, compute))
+            cell = dict(run.cell(config, fields, compute, label=f"{length} tokens, depth {depth:.0%}"))
             cell.update(length=length, depth=depth, **score_answer(cell["answer"], settings))
             cells.append(cell)
-            progress.advance(f"{length}/{depth:.0%}: {cell['score']:.2f}")
-    return {
-        "task": "niah",
-        "model": handle.spec if handle.name is None else handle.name,
-        "config": config_dict(config),
-        "haystack": haystack_name,
-        "scorer": settings.scorer,
-        "keywords": settings.resolved_keywords() if settings.scorer == "keyword-recall" else None,
-        "needle": settings.needle,
-        "question": settings.question,
-        "lengths": list(settings.lengths),
-        "depths": list(settings.depths),
-        "score": mean(c["score"] for c in cells),
-        "score_by_length": {str(n): mean(c["score"] for c in cells if c["length"] == n) for n in settings.lengths},
-        "avg_budget_tokens": weighted_budget([(c["avg_budget_tokens"], c["new_tokens"]) for c in cells]),
-        "avg_budget_fraction": weighted_budget([(c["avg_budget_fraction"], c["new_tokens"]) for c in cells]),
-        "cells": cells,
-    }
+            run.advance(f"{length}/{depth:.0%}: {cell['score']:.2f}")
+    return run.payload(
+        config,
+        haystack=haystack_name,
+        scorer=settings.scorer,
+        keywords=settings.resolved_keywords() if settings.scorer == "keyword-recall" else None,
+        needle=settings.needle,
+        question=settings.question,
+        lengths=list(settings.lengths),
+        depths=list(settings.depths),
+        score=mean(c["score"] for c in cells),
+        score_by_length={str(n): mean(c["score"] for c in cells if c["length"] == n) for n in settings.lengths},
+        **budget_summary(cells),
+        cells=cells,
+    )
 
 
 def score_matrix(payload: dict):

@@ -1,17 +1,21 @@
-"""Figures: NIAH heatmap, per-layer/head IoU map, budget-quality curves. matplotlib with the Agg backend."""
+"""Figures: NIAH heatmap, per-layer/head IoU map, budget-quality curves. matplotlib with the Agg backend; matplotlib
+is part of the eval extra (`pip install 'sparsekv[eval]'`), imported only when a figure is drawn."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from sparsekv.eval.common import require_extra
+
+
+def require_plots() -> None:
+    """ConfigError naming the eval extra when matplotlib is not installed (check before a long run that plots)."""
+    require_extra("matplotlib")
+
 
 def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+    require_extra("matplotlib").use("Agg", force=True)
+    return require_extra("matplotlib.pyplot")
 
 
 def _save(fig, path: Path) -> Path:

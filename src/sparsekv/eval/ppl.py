@@ -10,27 +10,23 @@ attention used only what the method selected at that position.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-import sparsekv
-from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import (
     NO_CACHE,
     ModelHandle,
-    Progress,
     ResultCache,
-    config_dict,
-    config_key,
+    TaskRun,
+    TextWindows,
+    budget_summary,
     describe,
-    digest,
-    weighted_budget,
+    sparse_pass,
+    token_windows,
 )
-from sparsekv.hf_compat import cache_kwargs
 
 
 @dataclass(frozen=True)
@@ -50,53 +46,34 @@ class PplSettings:
 
 def text_windows(tokenizer, text: str, settings: PplSettings) -> list[torch.Tensor]:
     """Consecutive non-overlapping windows of `context` token ids ([1, context] each)."""
-    needed = settings.start + settings.windows * settings.context
-    # tokenize only as much text as needed (about 3-5 characters per token for English), growing if short
-    chars = needed * 6 + 1000
-    while True:
-        ids = tokenizer(text[:chars], add_special_tokens=False, return_tensors="pt").input_ids[0]
-        if len(ids) >= needed + 1 or chars >= len(text):
-            break
-        chars *= 2
-    if len(ids) < needed:
-        raise ConfigError(
-            f"the text has {len(ids)} tokens, fewer than start + windows x context = {needed}; "
-            "use a longer text or fewer/shorter windows"
-        )
-    lo = settings.start
-    return [ids[lo + i * settings.context : lo + (i + 1) * settings.context][None] for i in range(settings.windows)]
+    return token_windows(tokenizer, text, settings.context, settings.windows, settings.start)
 
 
 @torch.inference_mode()
 def window_nll(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chunk: int) -> dict:
     """Summed negative log-likelihood of ids[prefix:] given dense prefill of ids[:prefix] and sparse decode."""
-    device = next(model.parameters()).device
-    ids = ids.to(device)
     total = ids.shape[1]
-    cache = SparseCache.for_model(model, config)
     nll = torch.zeros((), dtype=torch.float64)
-    start = time.perf_counter()
-    with sparsekv.enabled(model, config):
-        out = model(input_ids=ids[:, :prefix], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
+    with sparse_pass(model, config) as run:
+        ids = ids.to(run.device)
+        out = run(ids[:, :prefix], logits_to_keep=1)
         logits = out.logits[:, -1:].float()
         nll += F.cross_entropy(logits[0], ids[0, prefix : prefix + 1], reduction="sum").double().cpu()
         # inputs prefix .. total-2 predict targets prefix+1 .. total-1
         for lo in range(prefix, total - 1, chunk):
             hi = min(lo + chunk, total - 1)
-            out = model(input_ids=ids[:, lo:hi], **cache_kwargs(model, cache), use_cache=True)
-            logits = out.logits[0].float()
+            logits = run(ids[:, lo:hi]).logits[0].float()
             nll += F.cross_entropy(logits, ids[0, lo + 1 : hi + 1], reduction="sum").double().cpu()
-    seconds = time.perf_counter() - start
-    stats = cache.stats.summary()
-    rows = sum(int(cache.stats.layer_counts(i)[0].numel()) for i in range(len(cache.layers)))
+    stats = run.cache.stats
+    summary = stats.summary()
     return {
         "nll": float(nll),
         "tokens": total - prefix,
-        "seconds": seconds,
-        "avg_budget_tokens": stats["avg_budget_tokens"],
-        "avg_context_tokens": stats["avg_context_tokens"],
-        "avg_budget_fraction": stats["avg_budget_fraction"],
-        "budget_rows": rows,
+        "seconds": run.seconds,
+        "avg_budget_tokens": summary["avg_budget_tokens"],
+        "avg_context_tokens": summary["avg_context_tokens"],
+        "avg_budget_fraction": summary["avg_budget_fraction"],
+        "budget_rows": sum(int(stats.layer_counts(i)[0].numel()) for i in range(len(run.cache.layers))),
     }
 
 
@@ -112,47 +89,28 @@ def run_ppl(
 ) -> dict:
     """Perplexity of `config` over the windows of `text` (default: the embedded Paul Graham essays)."""
     settings.check()
-    if text is None:
-        from sparsekv.assets import haystack_text
-
-        text, text_name = haystack_text(), "haystack"
-    text_id = digest(text)
+    data = TextWindows(handle, text, text_name, settings.context, settings.windows, settings.start)
+    # the chunk size changes the speed, not the result: it is not part of the key
+    shape = {k: v for k, v in settings.__dict__.items() if k != "chunk"}
     configs = [config]
     if with_dense and config.method != "dense":
         configs.append(SparseConfig(method="dense"))
     results = {}
-    windows = None
-    with Progress(len(configs) * settings.windows, "ppl", quiet=quiet) as progress:
+    with TaskRun("ppl", handle, cache, len(configs) * settings.windows, "ppl", quiet=quiet) as run:
         for cfg in configs:
             parts = []
             for w in range(settings.windows):
-                # the chunk size changes the speed, not the result: it is not part of the key
-                shape = {k: v for k, v in settings.__dict__.items() if k != "chunk"}
-                key = {**handle.key, "text": text_id, "settings": shape, "window": w, "config": config_key(cfg)}
-                progress.label(f"{describe(cfg)} window {w + 1}/{settings.windows}")
 
                 def compute(w=w, cfg=cfg):
-                    nonlocal windows
-                    model, tokenizer = handle.get()
-                    if windows is None:
-                        windows = text_windows(tokenizer, text, settings)
-                    return window_nll(model, windows[w], cfg, settings.prefix, settings.chunk)
+                    return window_nll(handle.get()[0], data.ids[w], cfg, settings.prefix, settings.chunk)
 
-                parts.append(cache.cached("ppl", key, compute))
-                progress.advance()
+                parts.append(run.cell(cfg, data.fields(shape, w), compute,
+                                      label=f"{describe(cfg)} window {w + 1}/{settings.windows}"))  # fmt: skip
+                run.advance()
             results[cfg.method] = summarize(parts)
     main = results[config.method]
-    payload = {
-        "task": "ppl",
-        "model": handle.spec if handle.name is None else handle.name,
-        "config": config_dict(config),
-        "text": text_name,
-        "context": settings.context,
-        "prefix": settings.prefix,
-        "chunk": settings.chunk,
-        "windows": settings.windows,
-        **main,
-    }
+    payload = run.payload(config, text=data.name, context=settings.context, prefix=settings.prefix,
+                          chunk=settings.chunk, windows=settings.windows, **main)  # fmt: skip
     if with_dense:
         payload["dense_ppl"] = results["dense"]["ppl"] if config.method != "dense" else main["ppl"]
     return payload
@@ -168,8 +126,6 @@ def summarize(parts: list[dict]) -> dict:
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_second": tokens / seconds if seconds > 0 else None,
-        "avg_budget_tokens": weighted_budget([(p["avg_budget_tokens"], p["budget_rows"]) for p in parts]),
-        "avg_context_tokens": weighted_budget([(p["avg_context_tokens"], p["budget_rows"]) for p in parts]),
-        "avg_budget_fraction": weighted_budget([(p["avg_budget_fraction"], p["budget_rows"]) for p in parts]),
+        **budget_summary(parts, "budget_rows", ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction")),
         "per_window_ppl": [math.exp(p["nll"] / p["tokens"]) for p in parts],
     }

@@ -15,27 +15,26 @@ generated text. A sample is a pure function of (seed, task, length, index, token
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import sparsekv
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import (
     NO_CACHE,
     ModelHandle,
-    Progress,
     ResultCache,
-    config_dict,
-    config_key,
+    TaskRun,
+    budget_summary,
+    default_text,
     describe,
     digest,
+    greedy,
     mean,
     sample_rng,
-    seed_everything,
-    weighted_budget,
 )
 from sparsekv.eval.scoring import METRICS
 
@@ -276,31 +275,23 @@ def run_ruler(
         raise ConfigError(f"unknown ruler task(s) {unknown}; tasks: {', '.join(TASKS)}")
     if samples < 1 or not lengths or not tasks:
         raise ConfigError("ruler needs >= 1 sample, a length and a task")
-    if filler is None:
-        from sparsekv.assets import haystack_text
-
-        filler = haystack_text()
+    filler = default_text(filler)
     filler_id = digest(filler)
-    resources = None
+    resources = functools.cache(lambda: Resources.from_text(filler))
     cells = []
     grid = [(t, n, i) for t in tasks for n in lengths for i in range(samples)]
-    with Progress(len(grid), f"ruler {describe(config)}", quiet=quiet) as progress:
+    with TaskRun("ruler", handle, cache, len(grid), f"ruler {describe(config)}", quiet=quiet) as run:
         for task, length, index in grid:
-            progress.label(f"{task} {length} #{index}")
-            key = {**handle.key, "filler": filler_id, "task": task, "length": length, "index": index, "seed": seed,
-                   "chat": chat, "config": config_key(config)}  # fmt: skip
+            fields = {"filler": filler_id, "task": task, "length": length, "index": index, "seed": seed,
+                      "chat": chat}  # fmt: skip
 
             def compute(task=task, length=length, index=index):
-                nonlocal resources
                 from sparsekv.models import chat_prompt
 
-                model, tokenizer = handle.get()
-                if resources is None:
-                    resources = Resources.from_text(filler)
-                sample = generate_sample(task, length, index, seed, token_counter(tokenizer), resources)
+                tokenizer = handle.get_tokenizer()
+                sample = generate_sample(task, length, index, seed, token_counter(tokenizer), resources())
                 prompt = (chat_prompt(tokenizer, sample.context) if chat else sample.context) + sample.answer_prefix
-                seed_everything(seed)
-                result = sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=sample.max_new_tokens)
+                result = greedy(handle, config, prompt, sample.max_new_tokens, seed)
                 return {
                     "answer": result.texts[0],
                     "answers": list(sample.answers),
@@ -310,24 +301,22 @@ def run_ruler(
                     "new_tokens": result.new_tokens,
                 }
 
-            cell = {"task": task, "length": length, "index": index, **cache.cached("ruler", key, compute)}
+            cell = {"task": task, "length": length, "index": index,
+                    **run.cell(config, fields, compute, label=f"{task} {length} #{index}")}  # fmt: skip
             cells.append(cell)
-            progress.advance(f"{task} {length} #{index}: {cell['score']:.2f}")
+            run.advance(f"{task} {length} #{index}: {cell['score']:.2f}")
     per_task = {t: {str(n): mean(c["score"] for c in cells if c["task"] == t and c["length"] == n) for n in lengths}
                 for t in tasks}  # fmt: skip
-    return {
-        "task": "ruler",
-        "model": handle.spec if handle.name is None else handle.name,
-        "config": config_dict(config),
-        "metric": "string_match_all",
-        "tasks": list(tasks),
-        "lengths": list(lengths),
-        "samples": samples,
-        "seed": seed,
-        "score": mean(c["score"] for c in cells),
-        "score_by_task": {t: mean(c["score"] for c in cells if c["task"] == t) for t in tasks},
-        "score_by_task_length": per_task,
-        "avg_budget_tokens": weighted_budget([(c["avg_budget_tokens"], c["new_tokens"]) for c in cells]),
-        "avg_budget_fraction": weighted_budget([(c["avg_budget_fraction"], c["new_tokens"]) for c in cells]),
-        "cells": cells,
-    }
+    return run.payload(
+        config,
+        metric="string_match_all",
+        tasks=list(tasks),
+        lengths=list(lengths),
+        samples=samples,
+        seed=seed,
+        score=mean(c["score"] for c in cells),
+        score_by_task={t: mean(c["score"] for c in cells if c["task"] == t) for t in tasks},
+        score_by_task_length=per_task,
+        **budget_summary(cells),
+        cells=cells,
+    )

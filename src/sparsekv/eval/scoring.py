@@ -1,4 +1,5 @@
-"""Scorers. Every score is in [0, 1], higher is better, and has a name that the JSON outputs carry.
+"""Scorers. Every score is in [0, 1], higher is better, and has a name that the JSON outputs carry. The Rouge-L ones
+need rouge-score, part of the eval extra (`pip install 'sparsekv[eval]'`).
 
 - `rougeL_recall(prediction, reference)`: Rouge-L recall (rouge-score, Porter stemming): the share of the reference's
   tokens that appear, in order, in the prediction.
@@ -15,14 +16,19 @@ from __future__ import annotations
 import functools
 import re
 
+from sparsekv.eval.common import require_extra
+
 _WORD = re.compile(r"\w+", re.UNICODE)
+
+
+def require_rouge() -> None:
+    """ConfigError naming the eval extra when rouge-score (the Rouge-L scorers) is not installed."""
+    require_extra("rouge_score.rouge_scorer")
 
 
 @functools.lru_cache(maxsize=1)
 def _rouge():
-    from rouge_score import rouge_scorer
-
-    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return require_extra("rouge_score.rouge_scorer").RougeScorer(["rougeL"], use_stemmer=True)
 
 
 def rougeL(prediction: str, reference: str):
