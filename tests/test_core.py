@@ -406,3 +406,23 @@ def test_top_p_threshold_keeps_mass_when_a_midpoint_hits_a_weight():
     weights = torch.tensor([[0.5, 0.25, 0.25]])  # the first midpoint is exactly 0.25
     keep = top_p_threshold_reference(weights, torch.ones_like(weights, dtype=torch.bool), 0.75)
     assert float(weights[keep].sum()) >= 0.75
+
+
+def test_a_prompt_past_the_trained_context_is_refused_unless_asked(real_model):
+    model, tokenizer = real_model
+    trained = model.config.max_position_embeddings
+    config = SparseConfig(method="streaming", budget=64)
+    prompt = "word " * (trained - 2)
+    with pytest.raises(ConfigError, match=f"trained context of {trained} tokens"):
+        sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=8)
+    short = sparsekv.generate(model, tokenizer, "word " * 50, config, max_new_tokens=2, allow_longer_context=True)
+    assert short.new_tokens == 2
+
+
+def test_loading_on_cuda_without_a_gpu_says_so():
+    from sparsekv.models import ModelLoadError, load_model
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ModelLoadError, match="no CUDA GPU"):
+        load_model("default", device="cuda")

@@ -263,6 +263,7 @@ def generate(
     *,
     lossless: bool = False,
     draft_tokens: int = 4,
+    allow_longer_context: bool = False,
 ) -> GenerationResult:
     """Greedy generation of a batch of prompts (left-padded) with sparse decoding, timed and with budget stats.
 
@@ -272,6 +273,9 @@ def generate(
     lossless: self-speculative decoding: `draft_tokens` sparse decode steps propose tokens, one dense forward over
     them verifies, the longest agreeing prefix and the dense model's next token are kept and the rest is rolled
     back. The output is the dense model's greedy output; the stats add the drafts' acceptance rate.
+
+    A prompt plus `max_new_tokens` longer than the model's trained context (`max_position_embeddings`) is refused
+    unless `allow_longer_context`: past it most models answer nothing useful, after a long prefill.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -286,6 +290,14 @@ def generate(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+    trained = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    longest = int(batch["attention_mask"].sum(-1).max()) + max_new_tokens
+    if trained and longest > trained and not allow_longer_context:
+        raise ConfigError(
+            f"the prompt ({longest - max_new_tokens} tokens) plus max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's trained context of {trained} tokens; shorten it, or pass allow_longer_context=True "
+            "(CLI: --allow-longer-context) to run it anyway"
+        )
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
     drafted = accepted = verifications = 0

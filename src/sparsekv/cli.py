@@ -157,6 +157,9 @@ def generate(
         bool, typer.Option("--lossless", help="sparse steps draft, a dense step verifies: dense's exact output")
     ] = False,
     draft_tokens: Annotated[int, typer.Option(help="--lossless: tokens drafted per verification")] = 4,
+    allow_longer_context: Annotated[
+        bool, typer.Option("--allow-longer-context", help="run a prompt longer than the model's trained context")
+    ] = False,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     output: OutputOpt = None,
@@ -169,7 +172,7 @@ def generate(
     loaded, tokenizer = load(model, device, dtype)
     text = prompt if raw else chat_prompt(tokenizer, prompt)
     result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens, lossless=lossless,
-                               draft_tokens=draft_tokens)  # fmt: skip
+                               draft_tokens=draft_tokens, allow_longer_context=allow_longer_context)  # fmt: skip
     console.print(result.texts[0], markup=False, highlight=False)
     console.print(format_stats(result), style="dim")
     write_json(

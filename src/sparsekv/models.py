@@ -99,6 +99,8 @@ def load_model(
     ``dtype`` is a torch dtype or its name (`torch_dtype`).
     """
     dtype = torch_dtype(dtype)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"cannot load model {spec!r} on cuda: this machine has no CUDA GPU (use --device cpu)")
     path = Path(spec).expanduser()
     if spec in EMBEDDED:
         return _load_embedded(spec, dtype, device)
@@ -143,8 +145,6 @@ def embedded_model_dir(name: str) -> Path:
 def _load_embedded(
     name: str, dtype: torch.dtype, device: str | torch.device
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError(f"cannot load model {name!r} on cuda: this machine has no CUDA GPU (use --device cpu)")
     folder = embedded_model_dir(name)
     # The converted folder only appears complete (atomic rename), so a failure here is external damage or a
     # dtype/device problem; rebuilding automatically could throw away a good copy, so we only say how to fix it.
