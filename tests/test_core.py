@@ -426,3 +426,15 @@ def test_loading_on_cuda_without_a_gpu_says_so():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ModelLoadError, match="no CUDA GPU"):
         load_model("default", device="cuda")
+
+
+def test_budget_means_the_same_for_every_method():
+    """Left unset, each method's own default; set, gemfilter keeps that many prompt tokens (its keep option)."""
+    from sparsekv.registry import get_method_class
+
+    assert SparseConfig(method="twilight").budget == get_method_class("twilight").default_budget == 0.25
+    assert SparseConfig(method="gemfilter").options == {}
+    assert SparseConfig(method="gemfilter", budget=256).options == {"keep": 256}
+    assert SparseConfig(method="gemfilter", budget=256, options={"keep": 256}).options == {"keep": 256}
+    with pytest.raises(ConfigError, match="budget is its keep option"):
+        SparseConfig(method="gemfilter", budget=256, options={"keep": 128})

@@ -22,7 +22,8 @@ class SparseConfig:
 
     budget: tokens attended per query and per selection head, sink/local included; an int is a token count,
         a float in (0, 1) a fraction of the tokens visible to that query (rounded up, at least 1); None = the
-        method's default (10%, Twilight's candidates 25%).
+        method's default (10%, Twilight's candidates 25%). For gemfilter a given budget is the prompt tokens it
+        keeps (its `keep` option).
     top_p: optional Twilight-style pruning of the selected candidates to the smallest set with estimated
         attention mass >= top_p.
     dense_layers: layers that always attend densely (the first two by default, as in Quest / Twilight).
@@ -44,6 +45,7 @@ class SparseConfig:
     def __post_init__(self) -> None:
         # the registry imports no method module until asked (importlib), and none of sparsekv above errors.py
         accepted = method_options(self.method)  # raises ConfigError listing the known methods
+        budget_given = self.budget is not None
         if self.budget is None:
             object.__setattr__(self, "budget", get_method_class(self.method).default_budget)
         budget = self.budget
@@ -88,6 +90,16 @@ class SparseConfig:
                 f"its options: {', '.join(sorted(accepted)) or 'none'}"
             )
         object.__setattr__(self, "options", dict(self.options))
+        # a method whose budget is one of its options (gemfilter: the prompt tokens kept) takes the budget there,
+        # so that budget means the same for every method
+        budget_option = get_method_class(self.method).budget_option
+        if budget_given and budget_option:
+            if self.options.get(budget_option, budget) != budget:
+                raise ConfigError(
+                    f"{self.method}'s budget is its {budget_option} option: give budget={budget} or "
+                    f"{budget_option}={self.options[budget_option]}, not both"
+                )
+            self.options[budget_option] = budget
         get_method_class(self.method).check_config(self)
 
     def check_model(self, num_layers: int) -> None:

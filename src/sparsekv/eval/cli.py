@@ -132,7 +132,7 @@ def _fmt(value, spec: str = "{:.3f}") -> str:
 
 #: the options every task command takes, around its own: (name, annotation, default); the method's default is the
 #: command's (None here)
-CONFIG_OPTIONS = (("model", ModelOpt, "default"), ("method", MethodOpt, None), ("budget", BudgetOpt, "0.1"),
+CONFIG_OPTIONS = (("model", ModelOpt, "default"), ("method", MethodOpt, None), ("budget", BudgetOpt, None),
                   ("top_p", TopPOpt, None), ("dense_layers", DenseLayersOpt, "0,1"), ("sink", SinkOpt, 0),
                   ("local", LocalOpt, 0), ("gqa", GqaOpt, "group"), ("option", OptionOpt, None))  # fmt: skip
 RUN_OPTIONS = (("device", DeviceOpt, "cpu"), ("dtype", DtypeOpt, "float32"), ("cache_dir", CacheDirOpt, None),

@@ -459,6 +459,7 @@ class GemFilter(TokenSelector):
     name = "gemfilter"
     dense = True
     rewrites_prompt = True
+    budget_option = "keep"
 
     keep: int | float = 1024
     filter_layer: float | None = None

@@ -353,6 +353,8 @@ class TokenSelector:
     stores_kv: ClassVar[bool] = False
     #: the method rewrites the prompt before decoding (`filter_prompt`, GemFilter), which needs its own entry point
     rewrites_prompt: ClassVar[bool] = False
+    #: the option that a given `budget` sets, for a method whose budget is not per decode step (GemFilter: keep)
+    budget_option: ClassVar[str | None] = None
 
     @classmethod
     def check_model(cls, model, config: SparseConfig) -> None:
