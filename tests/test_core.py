@@ -265,9 +265,8 @@ def test_non_empty_foreign_cache_is_rejected(real_model):
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
     cache = DynamicCache(config=model.config)
     model(ids, **cache_kwargs(model, cache), use_cache=True)
-    with sparsekv.enabled(model, SparseConfig(method="oracle-topk")):
-        with pytest.raises(ConfigError, match="non-empty DynamicCache"):
-            model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
+    with sparsekv.enabled(model, SparseConfig(method="oracle-topk")), pytest.raises(ConfigError, match="non-empty"):
+        model(ids[:, -1:], **cache_kwargs(model, cache), use_cache=True)
 
 
 @pytest.mark.parametrize("shape", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-llama-mha",
@@ -301,7 +300,7 @@ def test_a_config_that_selects_in_no_layer_is_refused():
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sparsekv.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "sparsekv.cli", *args], check=False, capture_output=True, text=True,
                           timeout=timeout)
 
 
