@@ -10,12 +10,36 @@ from sparsekv.pruners.base import Pruner
 from sparsekv.registry import get_method_class, get_top_p_pruner
 from sparsekv.selectors.base import LayerInfo, Selection, TokenSelector, tensor_nbytes
 
+#: projections whose output holds a layer's keys (plain or fused): a colwise TP rule on one shards the heads
+_KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
+
+
+def tensor_parallel_size(model) -> int:
+    """How many ranks share each layer's heads: the TP degree of a model loaded with transformers' tensor
+    parallelism (`from_pretrained(..., tp_plan="auto")`) whose plan shards the key projection, else 1."""
+    tp = getattr(model, "tp_size", None) or 1
+    plan = getattr(model, "tp_plan", None) or {}
+    sharded = any(
+        key.rsplit(".", 1)[-1] in _KEY_PROJECTIONS and style == "colwise" for key, style in plan.items()
+    )
+    return tp if tp > 1 and sharded else 1
+
 
 def layer_infos(model) -> list[LayerInfo]:
+    """Each layer's shape as its attention sees it; under tensor parallelism, this rank's shard of the heads."""
     config = model.config.get_text_config(decoder=True)
     num_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    tp = tensor_parallel_size(model)
+    if tp > 1:
+        # each rank attends with its own heads and selects for them; a GQA group must stay on one rank
+        if num_heads % tp or num_kv_heads % tp:
+            raise ConfigError(
+                f"sparse decoding under tensor parallelism needs the heads to divide by the TP size {tp}: this model "
+                f"has {num_heads} query and {num_kv_heads} key/value heads (a GQA group must not be split across ranks)"
+            )
+        num_heads, num_kv_heads = num_heads // tp, num_kv_heads // tp
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     return [
         LayerInfo(
