@@ -1,8 +1,8 @@
-"""GemFilter acceptance measurements on the default model (CPU): NIAH grid vs dense, prefill time and peak memory.
+"""GemFilter measurements on the default model (CPU): NIAH grid vs dense, prefill time and peak memory.
 
-    PYTHONPATH=src python scripts/gemfilter_eval.py --output results/gemfilter_eval.json
+    PYTHONPATH=src python scripts/gemfilter_eval.py --skip-niah --reps 2 --output results/gemfilter/prefill_8k_cpu.json
 
-Parts (all on by default; --skip-niah / --skip-prefill / --scan):
+Parts (both on by default; --skip-niah / --skip-prefill):
   niah     lengths x depths needle prompts (sparsekv.eval.haystack.needle_prompt + models.chat_prompt), greedy
            `sparsekv.generate` with dense and with gemfilter (keep, filter_layer); score = keyword recall of the
            needle's answer in the output.
@@ -13,7 +13,7 @@ Parts (all on by default; --skip-niah / --skip-prefill / --scan):
            Peak memory = peak RSS during the call minus RSS just before it, sampled every 2 ms from /proc/self/statm
            in a background thread (torch CPU allocations are invisible to tracemalloc; RSS sees them; a fresh
            process per method keeps one method's freed-but-retained heap from hiding the other's peak).
-  scan     the per-layer needle probe of `sparsekv gemfilter-scan` (off by default).
+The per-layer needle probe that chooses a filter layer is `sparsekv gemfilter-scan`.
 
 The out-of-sample NIAH protocol (--heldout dev, then --heldout test; results/gemfilter/niah_dev.json,
 niah_heldout.json/.md) goes through the harness (sparsekv.eval.niah.run_niah) with its result cache, so an
@@ -233,7 +233,7 @@ def run_prefill(args) -> dict:
 
 # ----------------------------------------------------------------------------------- held-out NIAH protocol
 #
-# The NIAH acceptance (gemfilter k=256 >= dense on 1K-3K) is checked out of sample: the scoring settings
+# The NIAH result (gemfilter k=256 >= dense on 1K-3K) is checked out of sample: the scoring settings
 # (window, pool, filter_layer) are chosen on a dev grid, then the chosen method default is run once on a test
 # grid whose needles, questions, depths and haystack offsets the dev step never saw. Both grids go through the
 # harness (sparsekv.eval.niah.run_niah: needle placement, chat template, greedy decoding, keyword recall).
@@ -495,7 +495,6 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--skip-niah", action="store_true")
     parser.add_argument("--skip-prefill", action="store_true")
-    parser.add_argument("--scan", action="store_true")
     parser.add_argument("--output", type=Path, default=None)
     parser.add_argument("--prefill-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
@@ -530,30 +529,6 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "keep": args.keep,
     }
-    if args.scan:
-        from sparsekv.eval.gemfilter_scan import recommend_layer, scan_layers
-
-        model, tokenizer = load()
-        probes = scan_layers(
-            model,
-            tokenizer,
-            args.lengths,
-            args.depths,
-            keep=args.keep,
-            progress=lambda text: print(f"[scan] {text}", flush=True),
-        )
-        report["scan"] = {
-            "recommended_layer": recommend_layer(probes),
-            "probes": [p.to_dict() for p in probes],
-        }
-        for layer in range(len(probes[0].distance)):
-            print(
-                f"[scan] layer {layer:2d}: distance {[p.distance[layer] for p in probes]} "
-                f"coverage {[round(p.coverage[layer], 2) for p in probes]}",
-                flush=True,
-            )
-        print(f"[scan] recommended filter layer {report['scan']['recommended_layer']}", flush=True)
-        del model
     if not args.skip_niah:
         report["niah"] = run_niah(args)
         print(f"[niah] mean keyword recall: {report['niah']['mean_score']}", flush=True)

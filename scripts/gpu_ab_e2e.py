@@ -1,4 +1,4 @@
-"""Whole-model decode TPOT of two source trees on one GPU (issue 9): a change's before / after on the same device.
+"""Whole-model decode TPOT of two source trees on one GPU: a change's before / after on the same device.
 
 Each (configuration, tree) runs `run_e2e` (dense and METHOD, CUDA graph) in its own process, the trees
 alternating, so both see the same machine; dense is measured in every run, so its spread between runs shows the

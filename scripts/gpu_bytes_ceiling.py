@@ -1,4 +1,4 @@
-"""Speed-of-light probe for the 128K x B8 decode step (issue 10): how fast can this GPU move the bytes that a
+"""Speed-of-light probe for the 128K x B8 decode step: how fast can this GPU move the bytes that a
 Spotlight step must move, whatever the kernels do around them?
 
 - the codes: 134 MB read as one stream (the scorer's reads, without its score writes);

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Device run: the method comparison of the README on the GPU (float32), where a 4K decode-faithful perplexity
+# The method comparison of the README on a GPU (float32), where a 4K decode-faithful perplexity
 # window takes about a second instead of minutes: ppl over the held-out essays (the part of the haystack that
 # Spotlight's hash never saw), 7 windows of 4K, and NIAH up to 7K tokens. Stage the default model first
 # (scripts/gpu_stage_default_model.sh) and, for NIAH, rouge-score with its dependencies for the device's Python
 # (3.12): `pip download --no-deps --python-version 3.12 --platform manylinux2014_x86_64 --only-binary=:all:
 # rouge-score nltk absl-py six regex joblib click tqdm`, each wheel unzipped into .stage/c/py (13 MB; carried).
 # Outputs (JSON, markdown, plots) in $OUT.
-# Usage (device tool): bash scripts/gpu_compare.sh [ppl|niah|all]
+# Usage: bash scripts/gpu_compare.sh [ppl|niah|all]   (WINDOWS=7 by default)
 set -uo pipefail
 source scripts/gpu_stage_default_model.sh
 export PYTHONPATH=$PYTHONPATH:$PWD/.stage/c/py

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Device run for issue 9: the e2e fast-path check, then every acceptance configuration of `sparsekv bench e2e`
-# (dense vs method in one process per config); JSON per config + log in $OUT, a short table last.
-# Usage (device tool): bash scripts/gpu_e2e.sh [full|short|spotlight|self-index|profile]
+# The whole-model decode runs of BENCHMARKS.md on one GPU: the CUDA fast-path tests of the decode selection,
+# then `sparsekv.bench.e2e.device_suite` (each configuration of `sparsekv bench e2e`, dense vs the method, in one
+# process, then `greedy_match`); JSON per configuration + log in $OUT, a table last.
+# Usage: bash scripts/gpu_e2e.sh [full|short|spotlight|self-index|profile]   (plans: device_suite's docstring)
 set -uo pipefail
 export PYTHONPATH=$PWD/src:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -1,8 +1,20 @@
-"""Device probe (issues 9/10): query-hash precision variants, prompt-key hashing tile sizes, the histogram
-modes of the radix select, the self-index decode kernels' variants (LUT modes, re-rank / attention tiles), and the
-split-K sparse attention's launch parameters and split counts, and the score + select launch grid.
+"""A/B probes of the CUDA kernels' launch parameters and variants at Llama-3-8B shapes, 128K x B8 (B1 where a
+section says so), one line per variant, CUDA-graph medians (pair, selfindex, sweep and plain also check each
+variant's output against the default's or a reference). Sections (comma-separated, default hash,selfindex):
 
-    python3 scripts/gpu_probe.py [hash,select,selfindex,attend,sweep,scoregrid,plain,pair,cols,layout,selwarps,merge,pairs,tail,oddn,steps,rotate,scoretile,nowin,attnshape]   # on a CUDA machine; one line per variant
+- hash: the query hash's precision (3xTF32 / IEEE / TF32 / bf16), bits per program and warps; prompt-key hashing
+  rows per program (`_sign_hash_triton`).
+- pair: a decode step's query + new-key hash as one `sign_hash_pair` launch against two launches and a copy,
+  with and without the early weight loads.
+- selfindex: the self-index decode kernels (LUT scores, re-rank q.K, dequantizing attention) over their tile /
+  warp / precision options (BENCHMARKS.md, self-index decode kernels).
+- sweep, scoregrid: the Hamming scorer + selection launch grid (scorer tile, prefetch depth, GQA head adders,
+  programs per SM, selection tile and warps; `_hamming_triton.TUNE`, `_topk_triton.SELECT_TUNE`).
+- plain: the scorer without a histogram (int32 scores): tile, programs per SM, prefetch, head adders.
+- attnshape: the split-K attention's tile / programs per SM / warps / stages in the whole Spotlight step
+  (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
+
+    python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,attnshape]   # on a CUDA machine
 """
 
 import sys
@@ -15,7 +27,7 @@ from sparsekv.kernels import _hamming_triton as ham
 from sparsekv.kernels import _sign_hash_triton as sh
 from sparsekv.kernels import _topk_triton as tk
 
-SECTIONS = sys.argv[1] if len(sys.argv) > 1 else "hash,select,selfindex"
+SECTIONS = sys.argv[1] if len(sys.argv) > 1 else "hash,selfindex"
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
 B, HQ, HKV, D, N = 8, 32, 8, 128, 131072
@@ -75,30 +87,7 @@ if "hash" in SECTIONS:
         f"{graph_us(lambda i: sign_hash_reference(keys, w[0], w[1], b1, w[2], b1), 1):.0f} us",
         flush=True,
     )
-    keys = None  # free it before the select section
-if "select" in SECTIONS:
-    codes = [
-        torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
-        for _ in range(4)
-    ]
-    qc = [
-        torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
-        for _ in range(4)
-    ]
-    for prefetch in (False, True):
-        tk.PREFETCH["on"] = prefetch
-        for score_mode in ("packed", "atomic"):
-            tk.HIST_MODE["mode"] = score_mode
-            states = [ham.hamming_score_hist(qc[i], codes[i], bits=128, recent_first=True) for i in range(4)]
-            t_score = graph_us(lambda i: ham.hamming_score_hist(qc[i], codes[i], bits=128, recent_first=True), 4)
-            t_sel = graph_us(lambda i, states=states: ham.hamming_select(states[i], K), 4)
-            print(
-                f"prefetch {prefetch!s:5s} scorer hist {score_mode:6s}: score {t_score:.1f} us, "
-                f"select {t_sel:.1f} us, sum {t_score + t_sel:.1f} us",
-                flush=True,
-            )
-    tk.HIST_MODE["mode"] = "packed"
-    tk.PREFETCH["on"] = True
+    keys = None  # free it before the next section
 
 
 def self_index_probe():
@@ -204,46 +193,9 @@ if "selfindex" in SECTIONS:
     self_index_probe()
 
 
-def attend_probe():
-    """`sparse_attention_triton` launch parameters over 2% of the context (bf16 K/V, GQA group per row)."""
-    from sparsekv.kernels import _sparse_attention_triton as sa
-
-    for batch, n in ((8, 131072), (1, 32768)):
-        k = int(0.02 * n)
-        qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        # distinct K and V: with one tensor for both, the V gather hits the rows the K gather just brought into L2
-        ks = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-        vs = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-        idx = [torch.randint(0, n, (batch, HKV, 1, k), device=dev, generator=gen) for _ in range(2)]
-        valid = torch.ones(batch, HKV, 1, k, device=dev, dtype=torch.bool)
-        old = dict(sa.TUNE)
-        for block, mult, warps, stages in (
-            (64, 4, 4, 3), (32, 4, 4, 3), (64, 8, 4, 3), (64, 2, 4, 3), (128, 4, 8, 3), (64, 4, 4, 2), (64, 4, 4, 4),
-            (32, 8, 2, 3), (64, 4, 8, 3), (16, 8, 2, 3),
-        ):  # fmt: skip
-            sa.TUNE.update(block=block, sm_mult=mult, num_warps=warps, num_stages=stages)
-            try:
-                t = graph_us(lambda i, qs=qs, ks=ks, vs=vs, idx=idx, valid=valid:
-                             sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], valid, D**-0.5), 2)  # fmt: skip
-                print(f"attend {n // 1024}K x B{batch} block {block} sm_mult {mult} warps {warps} stages {stages}: "
-                      f"{t:.1f} us", flush=True)  # fmt: skip
-            except Exception as error:  # noqa: BLE001
-                print(f"attend block {block}: {type(error).__name__}: {str(error)[:200]}", flush=True)
-        sa.TUNE.clear()
-        sa.TUNE.update(old)
-        for splits in (4, 6, 7, 8, 9, 10, 12, 16, 24):  # one wave of resident programs vs more
-            t = graph_us(lambda i, qs=qs, ks=ks, vs=vs, idx=idx, valid=valid, splits=splits:
-                         sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], valid, D**-0.5, splits=splits), 2)  # fmt: skip
-            print(f"attend {n // 1024}K x B{batch} {splits} splits: {t:.1f} us", flush=True)
-
-
-if "attend" in SECTIONS:
-    attend_probe()
-
-
 def sweep_probe(grid=None):
     """Score + select launch grid: scorer tile, prefetch of the next tile(s), GQA head adders,
-    4-bit histogram counters, programs per SM, select tile and warps; at 128K x B8 and at an N that is not a
+    programs per SM, select tile and warps; at 128K x B8 and at an N that is not a
     multiple of 16 (the decode case: rows padded, one wave of programs). Each line is checked against the
     default's set."""
     import itertools
@@ -270,22 +222,20 @@ def sweep_probe(grid=None):
 
     spare = [rand_codes(B, HKV, N + 64, 4) for _ in range(3)]  # cache views with spare capacity, as in decoding
     qcs = [rand_codes(B, HQ, 1, 4) for _ in range(3)]
-    saved = (dict(ham.TUNE), dict(tk.SELECT_TUNE), dict(tk.PACKED_NIBBLES))
+    saved = (dict(ham.TUNE), dict(tk.SELECT_TUNE))
     ref = run(B, N, ([c[:, :, :N] for c in spare], qcs))[2]
     if grid is None:
-        grid = list(itertools.product((512, 1024), (False, True), (False, True), (True,), (8, 16), ((512, 2),)))
-        grid += [(512, True, True, nibbles, 8, select) for nibbles in (False, True)
-                 for select in ((1024, 4), (256, 2))]  # fmt: skip
-    for block, prefetch, adders, nibbles, pps, (sblock, swarps) in grid:
+        grid = list(itertools.product((512, 1024), (False, True), (False, True), (8, 16), ((512, 2),)))
+        grid += [(512, True, True, 8, select) for select in ((1024, 4), (256, 2))]
+    for block, prefetch, adders, pps, (sblock, swarps) in grid:
         ham.TUNE.update(block=block, prefetch=prefetch, group_adders=adders, progs_per_sm=pps)
-        tk.PACKED_NIBBLES["on"] = nibbles
         tk.SELECT_TUNE.update(block=sblock, num_warps=swarps)
         t_score, t_sel, idx = run(B, N, ([c[:, :, :N] for c in spare], qcs))
         same = "" if torch.equal(idx, ref) else "  MISMATCH"
-        print(f"score tile {block} prefetch {prefetch!s:5s} adders {adders!s:5s} nibbles {nibbles!s:5s} "
+        print(f"score tile {block} prefetch {prefetch!s:5s} adders {adders!s:5s} "
               f"progs/SM {pps:2d} select {sblock}x{swarps}w: score {t_score:.1f} select {t_sel:.1f} "
               f"sum {t_score + t_sel:.1f} us{same}", flush=True)  # fmt: skip
-    for table, old in zip((ham.TUNE, tk.SELECT_TUNE, tk.PACKED_NIBBLES), saved, strict=True):
+    for table, old in zip((ham.TUNE, tk.SELECT_TUNE), saved, strict=True):
         table.update(old)
     for n in (N, N + 5):
         t_score, t_sel, _ = run(B, n, ([c[:, :, :n] for c in spare], qcs))
@@ -295,7 +245,7 @@ def sweep_probe(grid=None):
 if "sweep" in SECTIONS:
     sweep_probe()
 if "scoregrid" in SECTIONS:  # tiles in flight ahead x programs per SM (occupancy by registers)
-    sweep_probe([(block, depth, True, True, pps, (512, 2)) for block in (512, 1024) for depth in (1, 2)
+    sweep_probe([(block, depth, True, pps, (512, 2)) for block in (512, 1024) for depth in (1, 2)
                  for pps in (4, 6, 8)])  # fmt: skip
 
 
@@ -375,285 +325,6 @@ def step_result(label: str, batch: int, n: int, stage: str) -> None:
           f"{us['total sparse step']:.1f} | dense {us['dense SDPA']:.1f} | x {r['speedup_vs_dense']:.2f}",
           flush=True)  # fmt: skip
     torch.cuda.empty_cache()
-
-
-def cols_probe():
-    """The whole spotlight step (`run_attention`) with the decode hash's bits per program fixed at 64 (before
-    `decode_cols`) and chosen from the grid, alternating, twice; 32K x B1 and 128K x B8."""
-    saved = dict(sh.TUNE)
-    for _ in range(2):
-        for cols in (64, "auto"):
-            sh.TUNE["cols"] = cols
-            for batch, n in ((1, 32768), (8, 131072)):
-                step_result(f"cols {cols}", batch, n, "score (hash + hamming + window histogram)")
-    sh.TUNE.clear()
-    sh.TUNE.update(saved)
-
-
-if "cols" in SECTIONS:
-    cols_probe()
-
-
-def layout_probe():
-    """Sparse attention over separate K and V buffers [B, Hkv, N, d] against one interleaved buffer
-    [B, Hkv, N, 2, d] (each token's K and V rows adjacent: one 512-byte gather instead of two of 256), with
-    sorted indices as the selection writes them."""
-    from sparsekv.kernels import _sparse_attention_triton as sa
-
-    def one(batch, n):
-        k = int(0.02 * n)
-        qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        idx = [torch.rand(batch, HKV, 1, n, device=dev, generator=gen).argsort(-1)[..., :k].sort(-1).values
-               for _ in range(2)]  # fmt: skip
-        valid = torch.ones(batch, HKV, 1, k, device=dev, dtype=torch.bool)
-        kv = [torch.randn(batch, HKV, n, 2, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-        sep = [(t[..., 0, :].contiguous(), t[..., 1, :].contiguous()) for t in kv]
-
-        def separate(i):
-            return sa.sparse_attention_triton(qs, *sep[i], idx[i], valid, D**-0.5)
-
-        def interleaved(i):
-            return sa.sparse_attention_triton(qs, kv[i][..., 0, :], kv[i][..., 1, :], idx[i], valid, D**-0.5)
-
-        def unmasked(i):  # valid=None, as the fused selections pass it: no mask loads
-            return sa.sparse_attention_triton(qs, *sep[i], idx[i], None, D**-0.5)
-
-        t_sep, t_int, t_none = graph_us(separate, 2), graph_us(interleaved, 2), graph_us(unmasked, 2)
-        same = torch.allclose(separate(0), interleaved(0)) and torch.equal(separate(0), unmasked(0))
-        print(f"attend {n // 1024}K x B{batch}, sorted indices: separate K/V {t_sep:.1f} us, interleaved "
-              f"{t_int:.1f} us, separate without the valid mask {t_none:.1f} us (same output: {same})",
-              flush=True)  # fmt: skip
-
-    for batch, n in ((8, 131072), (1, 32768)):
-        one(batch, n)
-
-
-if "layout" in SECTIONS:
-    layout_probe()
-
-
-def select_variants(variants, shapes=((8, 131072), (1, 32768))):
-    """hamming_select alone (remaining radix launches + compaction) in a graph, default scorer, window hint warm,
-    for each variant (label, SELECT_TUNE updates, COMPACT_MODE, PAIRS_INLINE); each line checked against the
-    first variant's selected set."""
-    saved = dict(tk.SELECT_TUNE), tk.COMPACT_MODE["mode"], tk.PAIRS_INLINE["on"]
-    for batch, n in shapes:
-        k = int(0.02 * n)
-        codes = [torch.randint(-(2**31), 2**31 - 1, (batch, HKV, n + 64, 4), device=dev, dtype=torch.int32,
-                               generator=gen)[:, :, :n] for _ in range(3)]  # fmt: skip
-        qcs = [torch.randint(-(2**31), 2**31 - 1, (batch, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
-               for _ in range(3)]  # fmt: skip
-        hints = [torch.zeros(batch * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
-
-        def scored(i, qcs=qcs, codes=codes, hints=hints):
-            return ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True, sink=4, local=64,
-                                          threshold_hint=hints[i])  # fmt: skip
-
-        ref = None
-        for label, tune, mode, inline in variants:
-            tk.SELECT_TUNE.update(saved[0] | tune)
-            tk.COMPACT_MODE["mode"], tk.PAIRS_INLINE["on"] = mode, inline
-            for i in range(3):
-                ham.hamming_select(scored(i), k)  # thresholds in their windows
-            warm = [scored(i) for i in range(3)]
-            t_sel = graph_us(lambda i, warm=warm, k=k: ham.hamming_select(warm[i], k), 3)
-            idx = ham.hamming_select(scored(0), k).sort(-1).values
-            ref = idx if ref is None else ref
-            same = "" if torch.equal(idx, ref) else "  MISMATCH"
-            print(f"select {n // 1024}K x B{batch} {label}: {t_sel:.1f} us{same}", flush=True)
-        tk.SELECT_TUNE.update(saved[0])
-        tk.COMPACT_MODE["mode"], tk.PAIRS_INLINE["on"] = saved[1], saved[2]
-
-
-def selwarps_probe():
-    """The compaction's tile and warps (1 warp: the block scan needs no barriers), scan mode."""
-    select_variants([(f"tile {b} warps {w}", {"block": b, "num_warps": w}, "scan", True)
-                     for b, w in ((512, 2), (512, 1), (256, 1), (1024, 2), (1024, 1), (512, 4))])  # fmt: skip
-
-
-def pairs_probe():
-    """The bit-mask compaction of int16 scores (`_compact_pairs_kernel`) against the ordered scan: select alone
-    over tiles and warps, then the whole spotlight step alternating, twice."""
-    tiles = ((512, 2), (256, 1), (512, 1), (1024, 2), (1024, 4), (2048, 4))
-    select_variants([("scan 512 x 2", {}, "scan", True), ("pairs per-key stores 512 x 2", {}, "pairs", False)]
-                    + [(f"pairs {b} x {w}", {"block": b, "num_warps": w}, "pairs", True) for b, w in tiles])  # fmt: skip
-    for _ in range(2):
-        for mode in ("scan", "pairs"):
-            tk.COMPACT_MODE["mode"] = mode
-            for batch, n in ((8, 131072), (1, 32768)):
-                step_result(mode, batch, n, "select (threshold in the window + compaction)")
-    tk.COMPACT_MODE["mode"] = "pairs"
-
-
-if "pairs" in SECTIONS:
-    pairs_probe()
-
-
-if "selwarps" in SECTIONS:
-    selwarps_probe()
-
-
-def merge_probe():
-    """The split-K partials merged by each row's last program (tickets) against the separate combine kernel:
-    attention alone, then the whole spotlight step (`run_attention`), the two variants alternating in one
-    process; each merged output checked against the combine kernel's."""
-    from sparsekv.kernels import _sparse_attention_triton as sa
-    from sparsekv.kernels import sparse_attention as sa_api
-
-    def attend_only(batch, n):
-        k = int(0.02 * n)
-        qs = torch.randn(batch, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
-        ks = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-        vs = [torch.randn(batch, HKV, n, D, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
-        idx = [torch.rand(batch, HKV, 1, n, device=dev, generator=gen).argsort(-1)[..., :k] for _ in range(2)]
-        tickets = [torch.zeros(batch * HKV, dtype=torch.int32, device=dev) for _ in range(2)]
-
-        def combine(i):
-            return sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], None, D**-0.5)
-
-        def merged(i):
-            return sa.sparse_attention_triton(qs, ks[i], vs[i], idx[i], None, D**-0.5, tickets=tickets[i])
-
-        same = torch.equal(combine(0), merged(0))
-        for _ in range(2):
-            t_comb, t_merge = graph_us(combine, 2), graph_us(merged, 2)
-            print(f"attend {n // 1024}K x B{batch}: combine kernel {t_comb:.1f} us, merged by the last split "
-                  f"{t_merge:.1f} us (same output: {same}, tickets zero: {not any(t.any() for t in tickets)})",
-                  flush=True)  # fmt: skip
-
-    for batch, n in ((8, 131072), (1, 32768)):
-        attend_only(batch, n)
-    plain = sa_api.sparse_attention
-    for _ in range(2):
-        for label in ("combine", "merged"):
-            if label == "combine":
-                sa_api.sparse_attention = lambda *a, tickets=None, **kw: plain(*a, **kw)
-            for batch, n in ((8, 131072), (1, 32768)):
-                step_result(label, batch, n, "attend (split-K over gathered K/V)")
-            sa_api.sparse_attention = plain
-
-
-if "merge" in SECTIONS:
-    merge_probe()
-
-
-def tail_probe():
-    """Rows a tile longer than equal chunks (decode lengths 2**17 + t): every chunk one tile longer (the former
-    rule) against the last chunk taking the extra tile; whole spotlight step, alternating."""
-    import math
-
-    def ceil_chunking(rows, n, block, device, max_chunks=128, progs_per_sm=16):
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        want = min(max_chunks, max(1, progs_per_sm * sms // rows))
-        bpc = max(1, math.ceil(math.ceil(n / block) / want))
-        return math.ceil(math.ceil(n / block) / bpc), bpc
-
-    rule = tk.chunking
-    for _ in range(2):
-        for label, fn in (("ceil", ceil_chunking), ("tail", rule)):
-            tk.chunking = ham.chunking = fn
-            for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
-                step_result(label, batch, n, "score (hash + hamming + window histogram)")
-    tk.chunking = ham.chunking = rule
-
-
-if "tail" in SECTIONS:
-    tail_probe()
-
-
-def oddn_probe():
-    """Scorer time at N = 2**17, 2**17 + 5, 2**17 + 8 and 2**17 + 64, codes in a tensor of exactly N keys vs views of
-    a buffer with spare capacity (the decode cache), window hint warm; 128K x B8."""
-    n_max = N + 64
-    spare = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, n_max, 4), device=dev, dtype=torch.int32, generator=gen)
-             for _ in range(3)]  # fmt: skip
-    qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
-           for _ in range(3)]  # fmt: skip
-    for n in (N, N + 5, N + 8, N + 64):  # N + 8: one more tile than 2**17 like N + 5, but rows start 8-aligned
-        for layout in ("exact", "spare"):
-            codes = [c[:, :, :n].contiguous() if layout == "exact" else c[:, :, :n] for c in spare]
-            hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
-
-            def scored(i, codes=codes, hints=hints):
-                return ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=True,
-                                              threshold_hint=hints[i])  # fmt: skip
-
-            for i in range(3):
-                ham.hamming_select(scored(i), K)
-            print(f"score N = {n} codes {layout}: {graph_us(scored, 3):.1f} us", flush=True)
-            del codes
-            torch.cuda.empty_cache()
-
-
-if "oddn" in SECTIONS:
-    oddn_probe()
-
-
-if "steps" in SECTIONS:  # the whole spotlight step at decode-like lengths (run per source tree for an A/B)
-    for batch, n in ((8, 131077), (8, 131072), (1, 32773)):
-        step_result("step", batch, n, "score (hash + hamming + window histogram)")
-
-
-def rotate_probe():
-    """Scorer programs starting at a row-dependent tile of their chunk (TUNE["rotate"]) or all at their first tile:
-    whole spotlight step (`run_attention`), alternating, twice (docs/kernels-notes.md, Hamming scorer)."""
-    saved = dict(ham.TUNE)
-    for _ in range(2):
-        for rotate in (False, True):
-            ham.TUNE["rotate"] = rotate
-            for batch, n in ((8, 131072), (8, 131077), (1, 32768), (8, 32768)):
-                step_result(f"rot {rotate}", batch, n, "score (hash + hamming + window histogram)")
-    ham.TUNE.update(saved)
-
-
-if "rotate" in SECTIONS:
-    rotate_probe()
-
-
-
-def scoretile_probe(variants=((512, 8), (1024, 8), (256, 8), (512, 6), (512, 12))):
-    """The scorer's tile and programs per SM again, now that long chunks rotate: whole spotlight step
-    (`run_attention`), alternating, twice."""
-    saved = dict(ham.TUNE)
-    for _ in range(2):
-        for block, progs in variants:
-            ham.TUNE.update(block=block, progs_per_sm=progs)
-            for batch, n in ((8, 131072), (8, 131077)):
-                step_result(f"{block}/{progs}", batch, n, "score (hash + hamming + window histogram)")
-    ham.TUNE.update(saved)
-
-
-if "scoretile" in SECTIONS:
-    scoretile_probe()
-
-
-def nowin_probe():
-    """Score + histogram alone, newest-first (the selectors') and forward (`bench kernels`' rows), without a
-    threshold window (the first decode step) and with a warm one, rotation off / on, alternating, twice;
-    128K x B8. Rotation applies to newest-first scoring only, so the forward lines show both settings equal."""
-    codes = [torch.randint(-(2**31), 2**31 - 1, (B, HKV, N, 4), device=dev, dtype=torch.int32, generator=gen)
-             for _ in range(3)]  # fmt: skip
-    qcs = [torch.randint(-(2**31), 2**31 - 1, (B, HQ, 1, 4), device=dev, dtype=torch.int32, generator=gen)
-           for _ in range(3)]  # fmt: skip
-    for recent in (True, False):
-        hints = [torch.zeros(B * HKV, dtype=torch.int32, device=dev) for _ in range(3)]
-        for i in range(3):
-            ham.hamming_select(ham.hamming_score_hist(qcs[i], codes[i], bits=128, threshold_hint=hints[i],
-                                                      recent_first=recent), K)  # fmt: skip
-        for _ in range(2):
-            for rotate in (False, True):
-                ham.TUNE["rotate"] = rotate
-                plain = graph_us(lambda i, r=recent: ham.hamming_score_hist(qcs[i], codes[i], bits=128, recent_first=r), 3)
-                window = graph_us(lambda i, r=recent, h=hints: ham.hamming_score_hist(qcs[i], codes[i], bits=128,
-                                                                                      recent_first=r, threshold_hint=h[i]),
-                                  3)  # fmt: skip
-                print(f"RESULT {'newest-first' if recent else 'forward'} rotate {rotate}: score + radix histogram "
-                      f"{plain:.1f} us, score + window {window:.1f} us", flush=True)  # fmt: skip
-    ham.TUNE["rotate"] = True
-
-
-if "nowin" in SECTIONS:
-    nowin_probe()
 
 
 def attnshape_probe(variants=((64, 4, 4, 3), (128, 2, 8, 3), (64, 2, 8, 3))):

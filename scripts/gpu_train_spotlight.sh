@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Device run (issue 4): train the Spotlight hashes of the embedded default model on the GPU.
-# Stage the default model first (scripts/gpu_stage_default_model.sh), then:
-#   bash scripts/gpu_train_spotlight.sh STEPS TRAIN_WINDOWS
+# `sparsekv train-hash` for the embedded default model's Spotlight hashes on a GPU machine without internet: the
+# model comes from the staged copy (scripts/gpu_stage_default_model.sh); checkpoint and report in $OUT.
+# Usage: bash scripts/gpu_train_spotlight.sh [STEPS] [TRAIN_WINDOWS]   (defaults 400 and 8; the shipped hash: 3000 32)
 set -euo pipefail
 source scripts/gpu_stage_default_model.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -32,8 +32,8 @@ def _kernels() -> dict:
     from sparsekv.kernels import _sparse_attention_triton as sa
     from sparsekv.kernels import _topk_triton as tk
 
-    compact_sig = {"src_ptr": "*i16", "out_ptr": "*i64", "hist_ptr": "*i32", "cnt_ptr": "*i32", "N": I32,
-                   "n_load": I32, "stride_row": I32, "lo": I32, "k": I32, "num_rows": I32, "num_chunks": I32,
+    compact_sig = {"src_ptr": "*i16", "out_ptr": "*i64", "hist_ptr": "*i32", "N": I32, "n_load": I32,
+                   "stride_row": I32, "lo": I32, "k": I32, "num_rows": I32, "num_chunks": I32,
                    "blocks_per_chunk": I32, "base_ptr": "*i32", "hint_ptr": "*i32", "top": I32}  # fmt: skip
     score_sig = {name: "*i32" for name in ("q_ptr", "k_ptr", "hist_ptr", "hint_ptr", "base_ptr")}
     score_sig["out_ptr"] = "*i16"
@@ -49,11 +49,9 @@ def _kernels() -> dict:
     return {
         "compact": (tk._compact_kernel, compact_sig,
                     {"LEVELS": 2, "NBITS": 5, "CP": 16, "IS_FLOAT": False, "BLOCK": tk.SELECT_TUNE["block"],
-                     "ATOMIC": False, "BRANCH": True, "REVERSE": True, "PREFETCH": True, "WINDOW": True,
-                     "INLINE_STORE": True,
-                     "USE_PDL": True},
+                     "REVERSE": True, "WINDOW": True, "INLINE_STORE": True, "USE_PDL": True},
                     ("N", "n_load", "stride_row", "blocks_per_chunk", "num_chunks"), tk.SELECT_TUNE["num_warps"]),
-        "compact_pairs": (tk._compact_pairs_kernel, {n: t for n, t in compact_sig.items() if n != "cnt_ptr"},
+        "compact_pairs": (tk._compact_pairs_kernel, compact_sig,
                           {"LEVELS": 2, "NBITS": 5, "CP": 16, "BLOCK": tk.SELECT_TUNE["block"], "W": tk.SCORE_PAIRS,
                            "REVERSE": True, "WINDOW": True, "INLINE": True, "USE_POPC": True, "USE_PDL": True},
                           ("N", "n_load", "stride_row", "blocks_per_chunk", "num_chunks"),

@@ -9,7 +9,8 @@
 
     PYTHONPATH=src python scripts/spotlight_eval.py --linear-checkpoint lin.safetensors --output spot.json
 
-A stand-in until the shared `sparsekv eval iou/ppl` harness covers spotlight.
+Part 1 compares hash variants on the same queries (`sparsekv eval iou` scores one method's selection at a time);
+part 2 gives the README's held-out Spotlight perplexity rows.
 """
 
 from __future__ import annotations

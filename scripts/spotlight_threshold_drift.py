@@ -10,7 +10,7 @@ bin. With top = G*bits + 1 and half = W/2:
           or  T <= base and base == 0                          (bin 0 is exact when nothing lies below it)
           or  T >= base + W - 1 and base + W - 1 >= top        (bin W-1 is exact when nothing lies above it)
 
-W = 32 is the planned window, W = 64 the comparison.
+W = 32 is the scorer's window (`_hamming_triton.WINDOW_BITS` = 5), W = 64 the comparison.
 
 How the scores are read: nothing in the library changes. For the run, `SpotlightSelector.select` is wrapped (in
 this process only) so that each decode step also calls the selector's own `score(step)` (its stored key codes,

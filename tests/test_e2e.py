@@ -217,20 +217,21 @@ def test_run_e2e_gemfilter_needs_model_prefill():
     ],
 )
 def test_run_e2e_rejects_bad_arguments_before_building(kwargs, message, monkeypatch):
-    from sparsekv.bench import e2e
+    from sparsekv.bench import e2e_model, e2e_run
     from sparsekv.config import ConfigError
 
-    monkeypatch.setattr(e2e, "build_model", lambda *a, **k: pytest.fail("built a model for bad arguments"))
+    for module in (e2e_model, e2e_run):  # run_e2e builds the model, check_fits its meta-device copy
+        monkeypatch.setattr(module, "build_model", lambda *a, **k: pytest.fail("built a model for bad arguments"))
     with pytest.raises(ConfigError, match=message):
         run_e2e("tiny-llama", **{"context": 32, "batch": 1, "device": "cpu", **kwargs})
 
 
 def test_run_e2e_refuses_a_model_larger_than_free_memory(monkeypatch):
     """llama3-8b in float32 on a CPU: an error naming the sizes, not the out-of-memory killer."""
-    from sparsekv.bench import e2e
+    from sparsekv.bench import e2e_model
     from sparsekv.config import ConfigError
 
-    monkeypatch.setattr(e2e, "_available_bytes", lambda device: 8 * 2**30)
+    monkeypatch.setattr(e2e_model, "_available_bytes", lambda device: 8 * 2**30)
     with pytest.raises(ConfigError, match=r"needs about 32\.1 GB of weights .* 8\.6 GB free"):
         run_e2e("llama3-8b-random", context=64, batch=1, device="cpu")
     result = run_e2e("tiny-llama", context=32, batch=1, new_tokens=1, warmup=0, device="cpu")  # fits: runs
@@ -240,8 +241,9 @@ def test_run_e2e_refuses_a_model_larger_than_free_memory(monkeypatch):
 @pytest.mark.parametrize("weights", ["random", "real"])
 def test_greedy_match_harness_cpu(weights):
     """The harness end to end (CPU against CPU); "real": the embedded model and text prompts."""
+    # 4 layers: the default dense layers 0 and 1 leave two that select
     report = greedy_match(("dense", "spotlight"), prompt_lengths=(20, 33), new_tokens=3, device="cpu",
-                          model_name="tiny-llama", weights=weights)  # fmt: skip
+                          model_name="tiny-llama", weights=weights, layers=None if weights == "real" else 4)  # fmt: skip
     assert ("embedded" in report["model"]) == (weights == "real")
     for method in ("dense", "spotlight"):
         entry = report["methods"][method]
@@ -292,7 +294,7 @@ def test_decode_mask_equals_sdpa_mask_outside_capture(monkeypatch):
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[0, :3] = 0
-    config = SparseConfig(method="spotlight", budget=0.5)
+    config = SparseConfig(method="spotlight", budget=0.5, dense_layers=())
     greedy_ids(model, config, ids[:1], None, 2)
     greedy_ids(model, config, ids, mask, 2)
     assert len(seen) >= 4 and all(seen)

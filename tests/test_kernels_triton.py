@@ -84,22 +84,24 @@ def test_hamming_group_sizes_triton(impl, g, bits):
 
 @here
 @pytest.mark.parametrize(
-    "hist,nibbles,compact,scorer",
-    [("packed", False, "scan", {}), ("packed", True, "pairs", {"prefetch": 2}),
-     ("packed_all", True, "scan_nobranch", {"prefetch": False}),
-     ("packed_all", False, "atomic", {"group_adders": False}), ("atomic", True, "scan", {"prefetch": False})],
+    "counters,compact,scorer",
+    [("bytes", "scan", {}), ("auto", "pairs", {"prefetch": 2}), ("auto", "scan", {"prefetch": False}),
+     ("bytes", "pairs", {"group_adders": False}), ("histogram", "scan", {"prefetch": False})],
 )  # fmt: skip
-def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, hist, nibbles, compact, scorer):
-    """The benchmarked alternatives (histogram counters, compaction slots, scorer without prefetch or head
-    adders) select the same set as the default."""
+def test_hamming_topk_histogram_and_compaction_modes(impl, monkeypatch, counters, compact, scorer):
+    """Every path of the scorer's histogram (4-bit or byte counters, tl.histogram where a program has too many
+    keys for them) and both compactions (bit masks for int16 scores, the ordered scan for the others), with the
+    scorer's launch options (prefetch depth, no head adders), select the same set as the reference."""
     from sparsekv.kernels.hamming import hamming_topk_reference
 
-    tk = impl["_topk_triton"]
-    monkeypatch.setitem(tk.HIST_MODE, "mode", hist)
-    monkeypatch.setitem(tk.PACKED_NIBBLES, "on", nibbles)
-    monkeypatch.setitem(tk.COMPACT_MODE, "mode", compact)
+    ham, tk = impl["_hamming_triton"], impl["_topk_triton"]
+    width = ham.packed_bits
+    forced = {"auto": width, "bytes": lambda *a, **kw: 8 if width(*a, **kw) else 0, "histogram": lambda *a, **kw: 0}
+    monkeypatch.setattr(ham, "packed_bits", forced[counters])  # the scorer's counter width (0: tl.histogram)
+    if compact == "scan":
+        monkeypatch.setattr(tk, "pairs_ok", lambda *args: False)  # int16 scores through the ordered scan too
     for key, value in scorer.items():
-        monkeypatch.setitem(impl["_hamming_triton"].TUNE, key, value)
+        monkeypatch.setitem(ham.TUNE, key, value)
     gen = torch.Generator().manual_seed(7)
     qc, kc = _codes((2, 8, 1, 4), gen), _codes((2, 2, 2500, 4), gen)
     kc[:, :, 1000:1400] = kc[:, :, :1]  # ties at the threshold
@@ -467,47 +469,23 @@ def test_lut_triton(impl, mode):
 
 
 @here
-@pytest.mark.parametrize("inline", [True, False] if CUDA else [False])
 @pytest.mark.parametrize("n,k,hi", [(4096, 100, 512), (2600, 300, 9), (8, 3, 1), (1048, 1, 0), (5000, 70, 512)])
-def test_compaction_pairs_mode(impl, monkeypatch, inline, n, k, hi):
+def test_compaction_pairs_mode(impl, monkeypatch, n, k, hi):
     """int16 scores take the bit-mask compaction: the same indices in the same order as the ordered scan (keys
     above the threshold by position, then the first equal ones), many ties, the 0 / 2**15 - 1 edges, rows that
-    end mid-tile and a chunk split; the GPU runs its PTX store loop and the per-key stores."""
+    end mid-tile and a chunk split; the GPU runs its PTX store loop, the interpreter the per-key stores."""
     tk = impl["_topk_triton"]
-    monkeypatch.setitem(tk.PAIRS_INLINE, "on", inline)
     gen = torch.Generator().manual_seed(n + k)
     scores = torch.randint(0, hi + 1, (3, n), generator=gen, dtype=torch.int16)
     scores[0, : n // 3] = hi  # a run of equal top scores
     scores = (scores + (2**15 - 1 - hi) * (torch.arange(3) == 2)[:, None]).to(torch.int16)  # up to 2**15 - 1
     scores = scores.to(DEV)
     assert tk.pairs_ok(scores, 0, False, n, tk._sblock(n))
-    outs = {}
-    for mode in ("scan", "pairs"):
-        monkeypatch.setitem(tk.COMPACT_MODE, "mode", mode)
-        outs[mode] = tk.select_topk_int(scores, k, 0, 2**15 - 1).cpu()
-    assert torch.equal(outs["pairs"], outs["scan"])
-    assert_topk_set(scores.cpu(), outs["pairs"], k)
-
-
-@here
-def test_compaction_atomic_mode(impl):
-    """The atomic-slot compaction selects the same set as the ordered scan (ties included)."""
-    tk = impl["_topk_triton"]
-    gen = torch.Generator().manual_seed(31)
-    scores = torch.randint(0, 9, (2, 2, 1, 1500), generator=gen, dtype=torch.int32).to(DEV)  # many ties
-    old = tk.COMPACT_MODE["mode"]
-    try:
-        tk.COMPACT_MODE["mode"] = "scan"
-        ref = tk.select_topk_int(scores, 333, 0, 8).cpu()
-        outs = {}
-        for mode in ("atomic", "scan_nobranch"):
-            tk.COMPACT_MODE["mode"] = mode
-            outs[mode] = tk.select_topk_int(scores, 333, 0, 8).cpu()
-    finally:
-        tk.COMPACT_MODE["mode"] = old
-    assert torch.equal(outs["scan_nobranch"], ref)
-    assert_topk_set(scores.cpu(), outs["atomic"], 333)
-    assert torch.equal(outs["atomic"].sort(-1).values, ref.sort(-1).values)
+    pairs = tk.select_topk_int(scores, k, 0, 2**15 - 1).cpu()
+    monkeypatch.setattr(tk, "pairs_ok", lambda *args: False)  # the same scores through the ordered scan
+    scan = tk.select_topk_int(scores, k, 0, 2**15 - 1).cpu()
+    assert torch.equal(pairs, scan)
+    assert_topk_set(scores.cpu(), pairs, k)
 
 
 def _compressed_kv(gen, b, h, n, d, k_bits, channel_axis, midrise, zero, sinks, tail):

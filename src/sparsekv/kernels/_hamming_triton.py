@@ -27,6 +27,7 @@ from sparsekv.kernels._topk_triton import (
     window_digit,
 )
 from sparsekv.kernels._triton import MAX_GRID, check_grid, next_pow2, pdl_launch
+from sparsekv.kernels.bits import check_code_shapes
 
 WINDOW_BITS = 5  # the threshold window has 32 one-score bins (the packed histogram's width)
 # launch parameters of the scorer (scripts/gpu_probe.py sweep / plain; docs/kernels-notes.md). _plain: the
@@ -319,9 +320,7 @@ def _query_step(query_codes: torch.Tensor, key_codes: torch.Tensor) -> int | Non
 
 
 def hamming_scores_triton(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
-    from sparsekv.kernels.hamming import _check
-
-    _check(query_codes, key_codes)
+    check_code_shapes(query_codes, key_codes)
     step = _query_step(query_codes, key_codes)
     if step is not None:
         return torch.cat([hamming_scores_triton(query_codes[:, :, i : i + step], key_codes, bits=bits)
@@ -402,9 +401,7 @@ def hamming_score_hist(
     of a layer have close thresholds, and when the new one falls inside the window the second radix pass over
     the scores is skipped (its kernels still launch and exit at once: no host sync). The selection is exact
     either way; any int32 contents are valid."""
-    from sparsekv.kernels.hamming import _check
-
-    _, g = _check(query_codes, key_codes)
+    _, g = check_code_shapes(query_codes, key_codes)
     top = g * bits + (1 if sink or local else 0)
     levels, nbits = int_levels(top + 1)
     dtype = torch.int16 if top < 2**15 else torch.int32

@@ -17,6 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
+# the scorer's histogram helpers live in _scorer_hist_triton; _hamming_triton imports them from here
+from sparsekv.kernels._scorer_hist_triton import (  # noqa: F401
+    HIST_MODE,
+    level_digit,
+    packed_add,
+    packed_bits,
+    packed_counts,
+    window_base,
+    window_digit,
+)
 from sparsekv.kernels._tl_utils import chunk_and_row, pdl_enter, popcount_tl, scatter_store_i64
 from sparsekv.kernels._triton import pdl_launch, row_grid
 
@@ -66,20 +76,6 @@ def derive_threshold(
 
 
 @triton.jit
-def window_base(hint, top, NBITS: tl.constexpr):
-    """First value of a threshold window: the 2**NBITS bins hold one score each from base + 1 to base + bins - 2
-    (bin 0: every score <= base, the last bin: every score >= base + bins - 1), centred on `hint` (the row's
-    previous threshold) and kept inside [0, top]."""
-    NB: tl.constexpr = 1 << NBITS
-    return tl.minimum(tl.maximum(hint - NB // 2, 0), tl.maximum(top - (NB - 1), 0))
-
-
-@triton.jit
-def window_digit(score, base, NBITS: tl.constexpr):
-    return tl.minimum(tl.maximum(score.to(tl.int32) - base, 0), (1 << NBITS) - 1)
-
-
-@triton.jit
 def window_threshold(hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS: tl.constexpr,
                      NBITS: tl.constexpr, CP: tl.constexpr):  # fmt: skip
     """derive_threshold over the window histogram (stored after the LEVELS radix levels), with its base and
@@ -94,28 +90,7 @@ def window_threshold(hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS
     return t, k_rem, gt_chunk, eq_chunk, base, exact
 
 
-# how level histograms are built (the kernel benchmark and scripts/gpu_probe.py sweep this):
-# - "packed": the scorer's level-0 histogram keeps per-lane byte counters, 4 bins per int32, in a [BLOCK, 8]
-#   register tile (about 25 instructions per key), reduced across lanes once per program; later levels use
-#   tl.histogram. tl.histogram costs about 4 warp instructions per key at 32 bins, which made the scorer
-#   instruction-bound: 76 -> 62 us at 128K x B8 on the H200. In the level-2 pass the packed counters measured
-#   slower (100 vs 62 us for the whole select), hence the split.
-# - "packed_all": packed counters in every pass; "atomic": tl.histogram everywhere; "onehot": compare with
-#   every bin and reduce the [BLOCK, bins] tile each time.
-HIST_MODE = {"mode": "packed"}
-PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles per program
-PACKED_NIBBLES = {"on": True}  # 4-bit counters where a program has at most 15 tiles
-# software prefetch of the next tile in the level and compaction loops (scripts/gpu_probe.py sweeps it)
-PREFETCH = {"on": True}
-# compaction slots: "pairs" (int16 scores >= 0: _compact_pairs_kernel, the same output as "scan"; other scores
-# take "scan"), "scan" (ordered: above-threshold keys by position, then equal keys) or "atomic" (one counter per
-# row; a block scan only in the chunk that straddles the equal-key quota; measured 3x slower) or
-# "scan_nobranch" (scan every tile, no data-dependent branch in the loop)
-COMPACT_MODE = {"mode": "pairs"}
-# the pairs compaction's stores as one PTX loop per thread (GPU only; off: one masked tl.store per key, as in the
-# interpreter; the GPU tests run both)
-PAIRS_INLINE = {"on": True}
-# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweeps them)
+# tile and warps of the level and compaction kernels (scripts/gpu_probe.py sweep)
 SELECT_TUNE = {"block": 512, "num_warps": 2}
 
 
@@ -127,61 +102,19 @@ def digit_histogram(
     SHIFT: tl.constexpr,
     NBITS: tl.constexpr,
     FIRST: tl.constexpr,
-    ONEHOT: tl.constexpr = True,
+    ONEHOT: tl.constexpr = False,
 ):
-    """Histogram (2**NBITS bins) of digit (key >> SHIFT) of the valid keys whose higher bits equal `prefix`."""
+    """Histogram (2**NBITS bins) of digit (key >> SHIFT) of the valid keys whose higher bits equal `prefix`.
+    ONEHOT: not read (the one-hot histogram is retired; _hamming_triton still passes False)."""
     digit = ((key >> SHIFT) & ((1 << NBITS) - 1)).to(tl.int32)
     ok = nmask
     if not FIRST:
         ok = ok & ((key >> (SHIFT + NBITS)) == prefix.to(tl.uint32))
-    if ONEHOT:
-        digit = tl.where(ok, digit, -1)
-        hit = digit[:, None] == tl.arange(0, 1 << NBITS)[None, :]
-        return tl.sum(hit.to(tl.int32), axis=0)
-    else:
-        digit = tl.where(ok, digit, 0)
-        h = tl.histogram(digit, 1 << NBITS)
-        # excluded lanes were counted in bin 0 (histogram's mask argument is not in every triton version)
-        n_out = tl.sum((~ok).to(tl.int32), axis=0)
-        return tl.where(tl.arange(0, 1 << NBITS) == 0, h - n_out, h)
-
-
-@triton.jit
-def level_digit(key, nmask, prefix, SHIFT: tl.constexpr, NBITS: tl.constexpr, FIRST: tl.constexpr):
-    """(digit (key >> SHIFT) of NBITS bits, whether the key counts: valid, and its higher bits equal `prefix`)."""
-    digit = ((key >> SHIFT) & ((1 << NBITS) - 1)).to(tl.int32)
-    ok = nmask
-    if not FIRST:
-        ok = ok & ((key >> (SHIFT + NBITS)) == prefix.to(tl.uint32))
-    return digit, ok
-
-
-@triton.jit
-def packed_add(acc, digit, ok, PACKED: tl.constexpr):
-    """acc [BLOCK, PACKED] int32 of PACKED-bit counters (8 or 4): counter j of column r counts this lane's keys
-    with digit (32 // PACKED) * r + j (digits < 32). 32 bins / (32 / PACKED counters per int32) = PACKED columns."""
-    PER: tl.constexpr = 32 // PACKED
-    one = tl.where(ok, 1 << ((digit & (PER - 1)) * PACKED), 0)
-    col = digit // PER
-    return acc + tl.where(col[:, None] == tl.arange(0, PACKED)[None, :], one[:, None], 0)
-
-
-@triton.jit
-def packed_counts(acc, PACKED: tl.constexpr):
-    """The 32-bin histogram held by packed_add's counters. A program has fewer than 2**16 keys (packed_bits), so
-    counters j and j + PER / 2 of a word add across lanes as the two 16-bit halves of one word: PER / 2 sums
-    of the [BLOCK, PACKED] tile instead of one of a [BLOCK, PACKED, PER] unpacked tile (the scorer's registers:
-    80 -> 64 with 4-bit counters, sm_90 SASS of triton 3.9)."""
-    PER: tl.constexpr = 32 // PACKED
-    HALF: tl.constexpr = PER // 2
-    MASK: tl.constexpr = ((1 << PACKED) - 1) * 0x10001
-    j = tl.arange(0, PER)
-    counts = tl.zeros([PACKED, PER], dtype=tl.int32)
-    for p in tl.static_range(HALF):
-        pair = tl.sum((acc >> (PACKED * p)) & MASK, axis=0)
-        counts += tl.where(j[None, :] == p, (pair & 0xFFFF)[:, None], 0)
-        counts += tl.where(j[None, :] == p + HALF, (pair >> 16)[:, None], 0)
-    return tl.reshape(counts, [32])
+    digit = tl.where(ok, digit, 0)
+    h = tl.histogram(digit, 1 << NBITS)
+    # excluded lanes were counted in bin 0 (histogram's mask argument is not in every triton version)
+    n_out = tl.sum((~ok).to(tl.int32), axis=0)
+    return tl.where(tl.arange(0, 1 << NBITS) == 0, h - n_out, h)
 
 
 @triton.jit
@@ -209,9 +142,6 @@ def _hist_kernel(
     CP: tl.constexpr,
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
-    ONEHOT: tl.constexpr,
-    PACKED: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
     base_ptr=None,
     top=0,
@@ -228,46 +158,34 @@ def _hist_kernel(
         needed = True
     if needed:
         _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
-                    LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK, ONEHOT, PACKED, PREFETCH)  # fmt: skip
+                    LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK)  # fmt: skip
 
 
 @triton.jit
 def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
                 LEVEL: tl.constexpr, LEVELS: tl.constexpr, NBITS: tl.constexpr, CP: tl.constexpr,
-                IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr, ONEHOT: tl.constexpr, PACKED: tl.constexpr,
-                PREFETCH: tl.constexpr):  # fmt: skip
+                IS_FLOAT: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     if LEVEL > 0:
         prefix, _k, _g, _e = derive_threshold(hist_ptr, r, num_rows, num_chunks, k, LEVEL, NBITS, CP)
     else:
         prefix = tl.zeros([], dtype=tl.int32)
     SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
-    if PACKED:
-        acc = tl.zeros([BLOCK, PACKED], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
-    if PREFETCH:
-        first = c * blocks_per_chunk + tl.arange(0, BLOCK)
-        nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < length), other=0)
+    first = c * blocks_per_chunk + tl.arange(0, BLOCK)
+    nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < length), other=0)
     # chunk c = keys from c * blocks_per_chunk (runtime: chunk length in elements) on, read BLOCK at a time
     for i in range(0, length, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
         nmask = (offs < N) & (loc < length)
-        if PREFETCH:  # the next tile's load is in flight while this one is counted
-            s = nxt
-            nxt = tl.load(
-                row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
-            )
-        else:
-            s = tl.load(row_ptr + offs, mask=(offs < n_load) & (loc < length), other=0)
-        if PACKED:
-            digit, ok = level_digit(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
-            acc = packed_add(acc, digit, ok, PACKED)
-        else:
-            h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0, ONEHOT)
-    if PACKED:
-        h = packed_counts(acc, PACKED)
+        # the next tile's load is in flight while this one is counted
+        s = nxt
+        nxt = tl.load(
+            row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
+        )
+        h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
     out = hist_ptr + ((LEVEL * num_rows + r.to(tl.int64)) * num_chunks + c) * (1 << NBITS)
     tl.store(out + tl.arange(0, 1 << NBITS), h)
 
@@ -317,7 +235,6 @@ def _compact_kernel(
     src_ptr,
     out_ptr,
     hist_ptr,
-    cnt_ptr,
     N,
     n_load,
     stride_row,
@@ -331,10 +248,7 @@ def _compact_kernel(
     CP: tl.constexpr,
     IS_FLOAT: tl.constexpr,
     BLOCK: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    BRANCH: tl.constexpr,
     REVERSE: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
     WINDOW: tl.constexpr = False,
     base_ptr=None,
     hint_ptr=None,
@@ -344,63 +258,39 @@ def _compact_kernel(
 ):
     pdl_enter(USE_PDL)
     c, r = chunk_and_row()
-    thr, need_eq, base_gt, base_eq, eq_chunk = row_threshold(
+    thr, need_eq, base_gt, base_eq, _ = row_threshold(
         hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
     thr = thr.to(tl.uint32, bitcast=True)
     cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     out_row = out_ptr + r.to(tl.int64) * k
-    if ATOMIC:
-        # Set semantics allow any output order, so slots come from one atomic counter per row. Only the order
-        # of equal keys matters (the first `need_eq` by position), and only the chunk that straddles that
-        # quota needs ranks: every other chunk takes all or none of its equal keys.
-        eq_here = tl.sum(tl.where(tl.arange(0, CP) == c, eq_chunk, 0), axis=0)
-        take_all = base_eq + eq_here <= need_eq
-        boundary = (base_eq < need_eq) & (base_eq + eq_here > need_eq)
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
-    if PREFETCH:
-        first = c * blocks_per_chunk + tl.arange(0, BLOCK)
-        nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < length), other=0)
+    first = c * blocks_per_chunk + tl.arange(0, BLOCK)
+    nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < length), other=0)
     for i in range(0, length, BLOCK):
         loc = i + tl.arange(0, BLOCK)
         offs = c * blocks_per_chunk + loc
         nmask = (offs < N) & (loc < length)
-        if PREFETCH:  # the next tile's load is in flight during this tile's scan and stores
-            raw = nxt
-            nxt = tl.load(
-                row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
-            )
-        else:
-            raw = tl.load(row_ptr + offs, mask=(offs < n_load) & (loc < length), other=0)
+        # the next tile's load is in flight during this tile's scan and stores
+        raw = nxt
+        nxt = tl.load(
+            row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
+        )
         key = _key(raw, lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
         # REVERSE: the scores were stored newest key first; report the keys' own positions
         pos = ((N - 1 - offs) if REVERSE else offs).to(tl.int64)
-        if ATOMIC:
-            if boundary:
-                rank = base_eq + tl.cumsum(m_eq.to(tl.int32), axis=0) - 1
-                sel = m_gt | (m_eq & (rank < need_eq))
-                base_eq += tl.sum(m_eq.to(tl.int32), axis=0)
-            else:
-                sel = m_gt | (m_eq & (take_all + tl.zeros_like(offs) != 0))
-            slot = tl.atomic_add(cnt_ptr + r + tl.zeros_like(offs), 1, mask=sel)
-            tl.store(out_row + slot, pos, mask=sel)
-        else:
-            m_eq = m_eq & (
-                (base_eq + tl.zeros_like(offs)) < need_eq
-            )  # equal keys past the quota need no scan
-            # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
-            packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
-            total = tl.sum(packed, axis=0)
-            if BRANCH:  # skip the scan of tiles without a selected key
-                if total != 0:
-                    base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
-                                                   cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
-            else:  # no data-dependent branch: lets the compiler pipeline the tile loads
-                base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
-                                               cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
+        m_eq = m_eq & (
+            (base_eq + tl.zeros_like(offs)) < need_eq
+        )  # equal keys past the quota need no scan
+        # one scan for both classes: counts above the threshold in the low 16 bits, equal in the high bits
+        packed = m_gt.to(tl.int32) + (m_eq.to(tl.int32) << 16)
+        total = tl.sum(packed, axis=0)
+        if total != 0:  # skip the scan of tiles without a selected key
+            base_gt, base_eq = _scan_store(packed, total, m_gt, m_eq, pos, out_row, base_gt, base_eq,
+                                           cnt_gt, need_eq, INLINE_STORE)  # fmt: skip
 
 
 SCORE_PAIRS = 4  # 32-bit words of two int16 scores per thread and tile row: one 16-byte load, 8 keys
@@ -589,17 +479,6 @@ def _sblock(chunk_len: int) -> int:
     return min(SELECT_TUNE["block"], triton.next_power_of_2(chunk_len))
 
 
-def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False, block: int = 512) -> int:
-    """Counter width of the packed histogram (0: tl.histogram). One lane sees one key per tile, so 4-bit
-    counters hold up to 15 tiles a program: half the columns and compares of byte counters. A program's keys
-    (tiles x block) must stay below 2**16 (packed_counts)."""
-    modes = ("packed", "packed_all") if scorer else ("packed_all",)
-    too_many = tiles_per_program > PACKED_MAX_TILES or tiles_per_program * block >= 1 << 16
-    if HIST_MODE["mode"] not in modes or nbits != 5 or too_many:
-        return 0
-    return 4 if tiles_per_program <= 15 and PACKED_NIBBLES["on"] else 8
-
-
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
                  window=None, n_load=None):  # fmt: skip
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
@@ -620,9 +499,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
         _hist_kernel[row_grid("topk", src.shape, num_chunks, rows)](
             src, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
-            BLOCK=sb, ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
-            PACKED=packed_bits(nbits, max_chunk_tiles(n_load, sb, num_chunks, triton.cdiv(chunk_len, sb)), block=sb),
-            PREFETCH=PREFETCH["on"],
+            BLOCK=sb,
             WINDOW=window is not None, base_ptr=base, top=top, num_warps=SELECT_TUNE["num_warps"],
             **pdl_launch(src.device),
         )  # fmt: skip
@@ -640,34 +517,33 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
                   window=None, hint=None, n_load=None):  # fmt: skip
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
     (`reverse`: src holds the keys newest first, and N - 1 - position comes out). With `window` (see
-    radix_levels) each row's threshold score is written to `hint` [R] int32 for the next call."""
+    radix_levels) each row's threshold score is written to `hint` [R] int32 for the next call. int16 scores >= 0
+    take the bit-mask compaction (`pairs_ok`), the others the ordered scan: the same output either way."""
     rows, n = src.shape
     n_load = n if n_load is None else n_load
     chunk_len = bpc * block
     sb = _sblock(chunk_len)
     assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"
     out = torch.empty(rows, k, dtype=torch.int64, device=src.device)
-    atomic = COMPACT_MODE["mode"] == "atomic"
-    # "scan" reads no counter: no fill kernel. Without one between the level passes and the compaction, the
+    # the compaction reads no counter: no fill kernel. Without one between the level passes and the compaction, the
     # compaction launches early (PDL) and its programs sit resident while the level passes work. H200, same run:
     # in-window step 119.0 -> 117.5 us (128K x B8) and 32.6 -> 30.8 us (32K x B1), but a window miss 76 -> 108 us
     # and a B8 select without window 51 -> 72 us. Releasing the launch at the end of the level kernel instead gave
     # back all four (docs/kernels-notes.md); decoding is in the window 97-99.9% of steps, so the early launch stays.
     win = {"WINDOW": window is not None, "base_ptr": window[0] if window else None, "hint_ptr": hint,
            "top": window[1] if window else 0}  # fmt: skip
-    if COMPACT_MODE["mode"] == "pairs" and pairs_ok(src, lo, is_float, n_load, chunk_len):
+    if pairs_ok(src, lo, is_float, n_load, chunk_len):
         _compact_pairs_kernel[row_grid("topk", src.shape, num_chunks, rows)](
             src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
             LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks),
-            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda and PAIRS_INLINE["on"],
+            BLOCK=max(sb, 2 * SCORE_PAIRS), W=SCORE_PAIRS, REVERSE=reverse, INLINE=src.is_cuda,
             USE_POPC=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
         )  # fmt: skip
         return out
-    cnt = torch.zeros(rows, dtype=torch.int32, device=src.device) if atomic else out
     _compact_kernel[row_grid("topk", src.shape, num_chunks, rows)](
-        src, out, hist, cnt, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
+        src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
         LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float, BLOCK=sb,
-        ATOMIC=atomic, BRANCH=COMPACT_MODE["mode"] != "scan_nobranch", REVERSE=reverse, PREFETCH=PREFETCH["on"],
+        REVERSE=reverse,
         INLINE_STORE=src.is_cuda, num_warps=SELECT_TUNE["num_warps"], **win, **pdl_launch(src.device),
     )  # fmt: skip
     return out
@@ -717,5 +593,5 @@ def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int) -> torch.Ten
 
 
 def select_topk_float(scores: torch.Tensor, k: int) -> torch.Tensor:
-    nbits = INT_DIGIT_BITS if HIST_MODE["mode"] == "onehot" else FLOAT_DIGIT_BITS
+    nbits = FLOAT_DIGIT_BITS
     return _select(scores, k, 0, triton.cdiv(32, nbits), nbits, True)

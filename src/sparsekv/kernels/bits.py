@@ -33,3 +33,18 @@ def popcount32(x: torch.Tensor) -> torch.Tensor:
     x = x + (x >> 8)
     x = x + (x >> 16)
     return x & 0x3F
+
+
+def check_code_shapes(query_codes: torch.Tensor, key_codes: torch.Tensor) -> tuple[int, int]:
+    """Query [B, Hq, Q, W] and key [B, Hkv, N, W] int32 codes of one packing -> (Hkv, query heads per kv head)."""
+    if query_codes.dtype != torch.int32 or key_codes.dtype != torch.int32:
+        raise TypeError("hamming codes must be int32 (see pack_sign_bits)")
+    if query_codes.dim() != 4 or key_codes.dim() != 4:
+        raise ValueError("query_codes [B, Hq, Q, W] and key_codes [B, Hkv, N, W] expected")
+    b, hq, _, w = query_codes.shape
+    bk, hkv, _, wk = key_codes.shape
+    if b != bk or w != wk or hq % hkv:
+        raise ValueError(
+            f"shape mismatch: query_codes {tuple(query_codes.shape)}, key_codes {tuple(key_codes.shape)}"
+        )
+    return hkv, hq // hkv

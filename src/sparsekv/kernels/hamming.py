@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.kernels.bits import popcount32
+from sparsekv.kernels.bits import check_code_shapes, popcount32
 
 
 def _word_masks(words: int, bits: int, device: torch.device) -> torch.Tensor:
@@ -19,26 +19,12 @@ def _word_masks(words: int, bits: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(masks, dtype=torch.int32, device=device)
 
 
-def _check(query_codes: torch.Tensor, key_codes: torch.Tensor) -> tuple[int, int]:
-    if query_codes.dtype != torch.int32 or key_codes.dtype != torch.int32:
-        raise TypeError("hamming codes must be int32 (see pack_sign_bits)")
-    if query_codes.dim() != 4 or key_codes.dim() != 4:
-        raise ValueError("query_codes [B, Hq, Q, W] and key_codes [B, Hkv, N, W] expected")
-    b, hq, _, w = query_codes.shape
-    bk, hkv, _, wk = key_codes.shape
-    if b != bk or w != wk or hq % hkv:
-        raise ValueError(
-            f"shape mismatch: query_codes {tuple(query_codes.shape)}, key_codes {tuple(key_codes.shape)}"
-        )
-    return hkv, hq // hkv
-
-
 def hamming_scores_reference(
     query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int, chunk: int = 4096
 ) -> torch.Tensor:
     """query_codes [B, Hq, Q, W], key_codes [B, Hkv, N, W] int32 -> [B, Hkv, Q, N] int32 matching bits,
     summed over the query heads of each kv-head's group (query head h belongs to kv head h // g)."""
-    hkv, g = _check(query_codes, key_codes)
+    hkv, g = check_code_shapes(query_codes, key_codes)
     b, _, q, w = query_codes.shape
     n = key_codes.shape[2]
     masks = _word_masks(w, bits, query_codes.device)
@@ -64,7 +50,7 @@ def hamming_scores_matmul(query_codes: torch.Tensor, key_codes: torch.Tensor, *,
 
     The CPU path: BLAS beats bitwise popcount here by an order of magnitude, and the sums are small integers,
     exact in float32."""
-    hkv, g = _check(query_codes, key_codes)
+    hkv, g = check_code_shapes(query_codes, key_codes)
     _word_masks(query_codes.shape[-1], bits, query_codes.device)  # validates bits
     b, _, q, _ = query_codes.shape
     query_signs = _signs(query_codes, bits).view(b, hkv, g * q, bits)
