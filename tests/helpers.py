@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import torch
 
 import sparsekv
 from sparsekv.cache import SparseCache
-from sparsekv.registry import get_method_class
 from sparsekv.hf_compat import cache_kwargs
+from sparsekv.registry import get_method_class
 
 
 class Recorder:
@@ -42,7 +43,7 @@ def run_chunks(model, config, input_ids, prefix: int, chunk: int, attention_mask
     with sparsekv.enabled(model, config, prompt_filtered=filtered):
         bounds = [0, prefix, *range(prefix + chunk, input_ids.shape[1], chunk), input_ids.shape[1]]
         bounds = sorted(set(bounds))
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             mask = None if attention_mask is None else attention_mask[:, :hi]
             position_ids = None
             if attention_mask is not None:

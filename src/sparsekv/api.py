@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -240,6 +241,66 @@ class _Decoder:
         self.decoded = decoded
 
 
+class _Sampler:
+    """Greedy (temperature None) or sampling from softmax(logits / temperature) with its own generator."""
+
+    def __init__(self, temperature: float | None, seed: int | None, device: torch.device) -> None:
+        self.temperature = temperature
+        self.generator = torch.Generator(device=device)
+        if seed is not None:
+            self.generator.manual_seed(seed)
+        else:
+            self.generator.seed()
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, V] logits -> (tokens [B], their distribution [B, V] when sampling, else None)."""
+        if self.temperature is None:
+            return logits.argmax(-1), None
+        probs = self.probs(logits)
+        return self.sample(probs), probs
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+    def uniform(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator, device=device)
+
+
+def _verify(sampler: _Sampler, drafts: list[torch.Tensor], draft_probs: list, dense_logits: torch.Tensor):
+    """The dense model's verdict on the drafts: -> (how many each row accepts [B], each row's token after its
+    accepted prefix [B] as a function of the prefix length k kept for the whole batch).
+
+    Greedy: a draft stands while it equals the dense argmax. Sampling: the speculative-sampling rule, so every
+    emitted token is distributed exactly as the dense model's: draft d with draft probability q(d) is accepted
+    with probability min(1, p(d) / q(d)); at the first rejection the token is drawn from max(0, p - q),
+    normalised; after a full acceptance, from p."""
+    proposed = torch.stack(drafts[1:], dim=1)  # [B, gamma]
+    gamma = proposed.shape[1]
+    if sampler.temperature is None:
+        dense = dense_logits.argmax(-1)  # [B, gamma + 1]
+        agree = (dense[:, :gamma] == proposed).int().cumprod(-1).sum(-1)
+        return agree, lambda k: dense[:, k]
+    p = sampler.probs(dense_logits)  # [B, gamma + 1, V]
+    q = torch.stack(draft_probs, dim=1)  # [B, gamma, V]
+    p_d = p[:, :gamma].gather(-1, proposed[..., None])[..., 0]
+    q_d = q.gather(-1, proposed[..., None])[..., 0]
+    accept = sampler.uniform(p_d.shape, p_d.device) * q_d < p_d
+    agree = accept.int().cumprod(-1).sum(-1)
+
+    def token_after(k: int) -> torch.Tensor:
+        if k == gamma:
+            return sampler.sample(p[:, gamma])
+        residual = (p[:, k] - q[:, k]).clamp(min=0)
+        empty = residual.sum(-1, keepdim=True) <= 0
+        resampled = sampler.sample(torch.where(empty, p[:, k], residual))  # multinomial normalises
+        return torch.where(agree > k, proposed[:, k], resampled)  # rows that accepted draft k + 1 keep it
+
+    return agree, token_after
+
+
 def _check_lossless(config: SparseConfig, draft_tokens: int) -> None:
     method = get_method_class(config.method)
     if method.dense or method.rewrites_prompt:
@@ -264,15 +325,21 @@ def generate(
     lossless: bool = False,
     draft_tokens: int = 4,
     allow_longer_context: bool = False,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    seed: int | None = None,
 ) -> GenerationResult:
     """Greedy generation of a batch of prompts (left-padded) with sparse decoding, timed and with budget stats.
 
     Runs its own loop over `model(...)` so that prefill and decode are timed separately; the tokens equal
     `model.generate(do_sample=False)` with the same config.
 
+    do_sample: draw each token from softmax(logits / temperature) (a `seed` makes it repeatable) instead of greedy.
+
     lossless: self-speculative decoding: `draft_tokens` sparse decode steps propose tokens, one dense forward over
     them verifies, the longest agreeing prefix and the dense model's next token are kept and the rest is rolled
-    back. The output is the dense model's greedy output; the stats add the drafts' acceptance rate.
+    back. Greedy, the output is the dense model's greedy output; sampling, the speculative-sampling rule keeps the
+    dense model's distribution exactly. The stats add the drafts' acceptance rate.
 
     A prompt plus `max_new_tokens` longer than the model's trained context (`max_position_embeddings`) is refused
     unless `allow_longer_context`: past it most models answer nothing useful, after a long prefill.
@@ -285,6 +352,8 @@ def generate(
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if lossless:
         _check_lossless(config, draft_tokens)
+    if do_sample and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ConfigError(f"temperature must be a number > 0, got {temperature!r}")
     device = next(model.parameters()).device
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -316,6 +385,7 @@ def generate(
         _synchronize(device)
         prefill_end = time.perf_counter()
         decoder = _Decoder(model, cache, attention_mask)
+        sampler = _Sampler(temperature if do_sample else None, seed, device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         generated: list[torch.Tensor] = []
 
@@ -327,27 +397,29 @@ def generate(
             generated.append(token)
             return bool(finished.all())
 
-        done = emit(logits.argmax(-1))
+        done = emit(sampler.draw(logits)[0])
         while not done and len(generated) < max_new_tokens:
             if not lossless:
-                done = emit(decoder(generated[-1][:, None])[:, -1].argmax(-1))
+                done = emit(sampler.draw(decoder(generated[-1][:, None])[:, -1])[0])
                 continue
             base = decoder.decoded
             gamma = min(draft_tokens, max_new_tokens - len(generated))
-            drafts = [generated[-1]]
+            drafts, draft_probs = [generated[-1]], []
             for _ in range(gamma):  # sparse steps propose
-                drafts.append(decoder(drafts[-1][:, None])[:, -1].argmax(-1))
+                token, probs = sampler.draw(decoder(drafts[-1][:, None])[:, -1])
+                drafts.append(token)
+                draft_probs.append(probs)
             decoder.rewind(base)
             cache.attend_densely = True  # one dense forward checks every proposal at once
             try:
-                dense = decoder(torch.stack(drafts, dim=1), all_logits=True).argmax(-1)  # [B, gamma + 1]
+                dense_logits = decoder(torch.stack(drafts, dim=1), all_logits=True)  # [B, gamma + 1, V]
             finally:
                 cache.attend_densely = False
-            agree = (dense[:, :gamma] == torch.stack(drafts[1:], dim=1)).int().cumprod(-1).sum(-1)  # [B]
+            agree, token_after = _verify(sampler, drafts, draft_probs, dense_logits)
             k = int(agree[~finished].min()) if bool((~finished).any()) else gamma
             drafted, accepted, verifications = drafted + gamma, accepted + k, verifications + 1
             decoder.rewind(base + k + 1)  # keep the dense K/V of the last token and the accepted drafts
-            for token in [*drafts[1 : k + 1], dense[:, k]][: max_new_tokens - len(generated)]:
+            for token in [*drafts[1 : k + 1], token_after(k)][: max_new_tokens - len(generated)]:
                 if done := emit(token):
                     break
         _synchronize(device)

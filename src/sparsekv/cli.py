@@ -160,6 +160,9 @@ def generate(
     allow_longer_context: Annotated[
         bool, typer.Option("--allow-longer-context", help="run a prompt longer than the model's trained context")
     ] = False,
+    sample: Annotated[bool, typer.Option("--sample", help="sample (softmax / temperature) instead of greedy")] = False,
+    temperature: Annotated[float, typer.Option(help="--sample: the softmax temperature")] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="--sample: a seed for repeatable draws")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
     output: OutputOpt = None,
@@ -172,7 +175,8 @@ def generate(
     loaded, tokenizer = load(model, device, dtype)
     text = prompt if raw else chat_prompt(tokenizer, prompt)
     result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens, lossless=lossless,
-                               draft_tokens=draft_tokens, allow_longer_context=allow_longer_context)  # fmt: skip
+                               draft_tokens=draft_tokens, allow_longer_context=allow_longer_context,
+                               do_sample=sample, temperature=temperature, seed=seed)  # fmt: skip
     console.print(result.texts[0], markup=False, highlight=False)
     console.print(format_stats(result), style="dim")
     write_json(
