@@ -3,13 +3,35 @@
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 import sparsekv
 from sparsekv.cache import SparseCache
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.registry import get_method_class
+
+# Without a GPU the kernels run under the CPU interpreter, which needs TRITON_INTERPRET=1 before triton is first
+# imported: a kernel test file then runs again in a child pytest with that variable set (one extra process).
+RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+here = pytest.mark.skipif(not RUN_HERE, reason="runs in the interpreter subprocess")
+
+
+def run_under_interpreter(test_file: str) -> None:
+    """Runs `test_file`'s tests in a child pytest under TRITON_INTERPRET=1; fails with the child's output."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), str(root), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+        check=False, cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
 class Recorder:

@@ -11,10 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,29 +20,16 @@ if importlib.util.find_spec("triton") is None:
 
 from sparsekv.kernels import _triton
 from sparsekv.kernels._triton import LaunchLimitError, check_grid, row_grid, split_rows
+from tests.helpers import RUN_HERE, here, run_under_interpreter
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-RUN_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-here = pytest.mark.skipif(not RUN_HERE, reason="runs in the interpreter subprocess")
 SMALL = (2**31 - 1, 8, 8)  # axes y and z shrunk: 12 rows -> 6 x 2, 48 -> 8 x 6, 11 (prime) -> no grid
 
 
 @pytest.mark.skipif(RUN_HERE, reason="kernels run directly in this process")
 def test_kernels_under_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-        check=False,
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_under_interpreter(__file__)
 
 
 # ---- planning (plain Python) ----

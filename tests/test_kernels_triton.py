@@ -7,9 +7,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,32 +17,17 @@ if importlib.util.find_spec("triton") is None:
 
 from sparsekv.kernels.hamming import hamming_scores_reference
 from sparsekv.kernels.sparse_attention import sparse_attention_reference
+from tests.helpers import RUN_HERE, here, run_under_interpreter
 from tests.test_kernels_reference import assert_topk_set
 
 DEV = "cuda" if CUDA else "cpu"
 
 
-# Without a GPU the kernels run under the CPU interpreter, which needs TRITON_INTERPRET=1 before triton is first
-# imported: the kernel tests then run in a child pytest with that variable set (one extra process).
-RUN_HERE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-here = pytest.mark.skipif(not RUN_HERE, reason="runs in the interpreter subprocess")
 
 
 @pytest.mark.skipif(RUN_HERE, reason="kernels run directly in this process")
 def test_kernels_under_interpreter():
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), str(root), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-        check=False,
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    run_under_interpreter(__file__)
 
 
 @pytest.fixture(scope="module")
