@@ -144,7 +144,9 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
     broken = tmp_path / "asset" / "model.gguf"
     broken.parent.mkdir()
     broken.write_bytes(b"not a gguf")
-    monkeypatch.setattr(models, "default_model_file", lambda: broken)
-    with pytest.raises(ModelLoadError, match="cannot convert the default model"):
+    import dataclasses
+
+    monkeypatch.setitem(models.EMBEDDED, "default", dataclasses.replace(models.EMBEDDED["default"], gguf=lambda: broken))
+    with pytest.raises(ModelLoadError, match="cannot convert the embedded model 'default'"):
         load_model()
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # no half-converted folder to trust later
