@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 from sparsekv.attention import ATTENTION_NAME, RUNTIME_ATTR, SparseRuntime, register
 from sparsekv.cache import SparseCache, cache_memory, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.graph_decode import GraphDecode
 from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, cache_kwargs, check_transformers_version
 from sparsekv.registry import get_method_class
 
@@ -54,7 +55,9 @@ def _generation_length(model, prompt_length: int | None, kwargs: dict) -> int:
     return kwargs.get("max_length") or 0
 
 
-def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> SparseRuntime:
+def enable(
+    model, config: SparseConfig, *, prompt_filtered: bool = False, graph_decode: bool | None = None
+) -> SparseRuntime:
     """Makes `model` decode with `config`; `model.generate()` and plain forwards then use a SparseCache.
 
     The prompt is attended densely, whether it comes in one forward or in chunks (`model.generate(...,
@@ -65,6 +68,12 @@ def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Spa
     Methods that rewrite the prompt before decoding (gemfilter) cannot run inside `model.generate()`: they are
     refused unless `prompt_filtered=True` says that the caller already ran the method's `filter_prompt` on its
     inputs (as `sparsekv.generate` does).
+
+    graph_decode: `model.generate()`'s one-token decode steps replay one CUDA graph of the whole forward
+    (`sparsekv.graph_decode`). None (default): on CUDA, for the methods with a fixed-shape step (dense, oracle-topk,
+    spotlight, lsh); True: also on CPU, where the fixed-shape step runs without a graph; False: never.
+    `runtime.graph.steps` counts the decode steps of the last generate() call by path, with the reason of any
+    step that ran eagerly.
     """
     if not isinstance(config, SparseConfig):
         raise ConfigError(f"enable() needs a SparseConfig, got {type(config).__name__}")
@@ -88,6 +97,8 @@ def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Spa
     if getattr(model, _STATE_ATTR, None) is not None:
         disable(model)
     register()
+    if graph_decode not in (None, True, False):
+        raise ConfigError(f"graph_decode must be None, True or False, got {graph_decode!r}")
     runtime = SparseRuntime(config)
     for module in _attention_modules(model):
         setattr(module, RUNTIME_ATTR, runtime)
@@ -126,14 +137,28 @@ def enable(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Spa
     # model.generate() on this instance learns the prompt's length, so that a prompt fed in chunks
     # (prefill_chunk_size) is prefilled densely; the class and every other model are untouched
     class_generate = type(model).generate
+    class_forward = model.forward
+    runtime.graph = GraphDecode(class_forward, cache_name, graph_decode)
+
+    @functools.wraps(class_forward)  # generate reads the forward's signature (logits_to_keep, ...)
+    def forward_through_graphs(*args, **kwargs):
+        return runtime.graph(*args, **kwargs)
 
     @functools.wraps(class_generate)
     def generate_knowing_the_prompt(*args, **kwargs):
         runtime.prompt_length = _prompt_length(args, kwargs)
         runtime.generation_length = _generation_length(model, runtime.prompt_length, kwargs)
+        runtime.graph.begin(runtime.generation_length)
+        own_forward = vars(model).get("forward")  # e.g. accelerate's device-placement wrapper
+        model.forward = forward_through_graphs
         try:
             return class_generate(model, *args, **kwargs)
         finally:
+            if own_forward is None:
+                del model.forward
+            else:
+                model.forward = own_forward
+            runtime.graph.end()
             runtime.prompt_length, runtime.generation_length = None, 0
 
     model.generate = generate_knowing_the_prompt
@@ -158,9 +183,11 @@ def disable(model) -> None:
 
 
 @contextlib.contextmanager
-def enabled(model, config: SparseConfig, *, prompt_filtered: bool = False) -> Iterator[SparseRuntime]:
+def enabled(
+    model, config: SparseConfig, *, prompt_filtered: bool = False, graph_decode: bool | None = None
+) -> Iterator[SparseRuntime]:
     """`enable` for the duration of a `with` block."""
-    runtime = enable(model, config, prompt_filtered=prompt_filtered)
+    runtime = enable(model, config, prompt_filtered=prompt_filtered, graph_decode=graph_decode)
     try:
         yield runtime
     finally:

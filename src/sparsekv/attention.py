@@ -18,7 +18,9 @@ from sparsekv.budget import budget_tokens_tensor
 from sparsekv.cache import SparseCache
 from sparsekv.config import SparseConfig
 from sparsekv.errors import ConfigError
+from sparsekv.graph_decode import GraphDecode
 from sparsekv.hf_compat import supported_range
+from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep, StepHints, host_budget
 
 ATTENTION_NAME = "sparsekv"
@@ -35,6 +37,8 @@ class SparseRuntime:
     in_forward: bool = False
     prompt_length: int | None = None
     generation_length: int = 0  # the longest sequence of that call (0 outside one): the cache's capacity
+    #: how `model.generate()` runs its decode steps (`sparsekv.graph_decode.GraphDecode`; set by `enable`)
+    graph: GraphDecode | None = None
 
 
 class CacheBypassedError(RuntimeError):
@@ -133,6 +137,8 @@ def sparse_attention_forward(
             f"layer {module.layer_idx} attends over K/V that are not the SparseCache's: this transformers release "
             f"passes the cache in a way sparsekv does not handle ({supported_range()} are supported)"
         )
+    if layer is not None and layer.fixed_position is not None and layer.keys is key:
+        return _decode_fixed_shape(module, query, key, value, scaling, cache, layer)
     if layer is None or layer.selector is None or layer.keys is not key:
         # not ours (no cache / a forward of another module / dense layer): plain SDPA, what the model would do
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -198,5 +204,31 @@ def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCac
     if cache.record_stats:
         cache.stats.record(module.layer_idx, selection, step.visible)
     scale = scaling if scaling is not None else selector.layer.scaling
+    out = selector.attend(step, selection, scale)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, layer):
+    """One new token's attention over the whole preallocated buffer (`SparseCache.begin_fixed_shape`): which slots
+    hold cached tokens comes from a device mask, budgets are device tensors under a host bound set by the buffer's
+    capacity, and nothing reads the device back, so a CUDA graph of the step is valid at every position."""
+    batch, _, q_len, _ = query.shape
+    visible = cache.fixed_visible.expand(batch, q_len, -1)  # [B, 1, capacity]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    selector = layer.selector
+    if selector is None:  # a dense layer: every cached token, through the same split-K kernel
+        heads = key.shape[1]
+        every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
+        out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale)
+        return out.transpose(1, 2).contiguous(), None
+    selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
+    config = cache.config
+    forced = forced_tokens(visible, config.sink, config.local)
+    hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink, local=config.local)
+    step = DecodeStep(query, key, value, visible, forced, token_budgets(config, visible, forced), selector.layer,
+                      config.gqa, hints)  # fmt: skip
+    selection = selector.select(step)
+    if cache.record_stats:
+        cache.stats.add(module.layer_idx, selection, visible)
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

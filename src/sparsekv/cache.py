@@ -75,10 +75,15 @@ class SparseLayer(DynamicLayer):
         self.prompt_open = True
         self.prompt_tokens = 0
         self._prompt_queries: torch.Tensor | None = None
+        #: fixed-shape decoding (`SparseCache.begin_fixed_shape`): the device position this step's token is written
+        #: to; attention then sees the whole preallocated buffer and masks what lies past the position
+        self.fixed_position: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.fixed_position is not None:
+            return self._update_fixed_shape(key_states, value_states)
         new = key_states.shape[-2]
         needed = self.length + new
         if self.selector is not None and self.selector.stores_kv and not self.prompt_open:
@@ -97,6 +102,41 @@ class SparseLayer(DynamicLayer):
         self.keys = self._key_buffer[..., :needed, :]
         self.values = self._value_buffer[..., :needed, :]
         return self.keys, self.values
+
+    def _update_fixed_shape(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """One token written at the device position: no host value changes, so a CUDA graph can replay it. The
+        host count (`length`) is advanced by `SparseCache.advance_fixed_shape` once the step has run."""
+        if key_states.shape[-2] != 1:
+            raise ConfigError("fixed-shape decoding takes one new token per forward")
+        self._key_buffer.index_copy_(-2, self.fixed_position, key_states)
+        self._value_buffer.index_copy_(-2, self.fixed_position, value_states)
+        self.new_tokens = 1
+        self.new_keys, self.new_values = key_states, value_states
+        return self.keys, self.values
+
+    def begin_fixed_shape(self, position: torch.Tensor, capacity: int) -> None:
+        """Hands attention the buffer's first `capacity` slots from now on, zeros past the cached tokens (masked
+        slots must not hold NaN garbage: a zero attention weight times NaN is NaN)."""
+        if (self.selector is not None and self.prompt_open) or self._key_buffer is None:
+            raise ConfigError("fixed-shape decoding starts after the prompt")
+        if self._key_buffer.shape[-2] < capacity:
+            self._key_buffer = self._grow(self._key_buffer, self._key_buffer, capacity)
+            self._value_buffer = self._grow(self._value_buffer, self._value_buffer, capacity)
+        self._key_buffer[..., self.length :, :].zero_()
+        self._value_buffer[..., self.length :, :].zero_()
+        self.keys = self._key_buffer[..., :capacity, :]
+        self.values = self._value_buffer[..., :capacity, :]
+        self.fixed_position = position
+        if self.selector is not None:
+            self.selector.begin_fixed_shape(capacity)
+
+    def end_fixed_shape(self) -> None:
+        self.fixed_position = None
+        self.new_keys = self.new_values = None
+        self.keys = self._key_buffer[..., : self.length, :]
+        self.values = self._value_buffer[..., : self.length, :]
+        if self.selector is not None:
+            self.selector.end_fixed_shape(self.length)
 
     def get_seq_length(self) -> int:
         # the layer's own count: a compressed layer hands attention a zero-width stand-in for its K/V
@@ -172,6 +212,8 @@ class BudgetStats:
 
     On CPU every record lands in `kept_counts` / `visible_counts` at once. Device records stay on the device
     until the counts are read (no host sync inside the decode step, so a step can be captured in a CUDA graph).
+    Fixed-shape steps (a CUDA graph replays them without running Python) add to per-layer sums on the device
+    instead: `summary` covers both kinds of record, `layer_counts` only the per-row ones.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -179,6 +221,8 @@ class BudgetStats:
         self._kept: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._seen: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        #: [layers, 4] float64 on the device: sum of kept, sum of visible, sum of kept / visible, rows
+        self._sums: torch.Tensor | None = None
 
     def record(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
         """selection counts [B, S, Q]; visible [B, Q, N]."""
@@ -189,6 +233,18 @@ class BudgetStats:
             self._seen[layer_idx].append(seen.to("cpu", torch.int32))
         else:
             self._pending.append((layer_idx, kept.to(torch.int32), seen.to(torch.int32)))
+
+    def prepare_sums(self, device: torch.device) -> None:
+        """Allocates the device sums (outside any CUDA graph capture, so every replay adds to the same tensor)."""
+        if self._sums is None or self._sums.device != device:
+            self._sums = torch.zeros(self.num_layers, 4, dtype=torch.float64, device=device)
+
+    def add(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
+        """`record` for fixed-shape steps: adds to the device sums, in place."""
+        kept = selection.counts().double()  # [B, S, Q]
+        seen = visible.sum(-1)[:, None].double().expand_as(kept)
+        row = torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), kept.new_tensor(kept.numel())])
+        self._sums[layer_idx].add_(row)
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
@@ -213,28 +269,33 @@ class BudgetStats:
             return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
         return torch.cat(kept), torch.cat(seen)
 
+    def layer_sums(self) -> torch.Tensor:
+        """[layers, 4] float64 on the CPU: kept, visible, kept / visible summed over every record, and rows."""
+        sums = torch.zeros(self.num_layers, 4, dtype=torch.float64)
+        if self._sums is not None:
+            sums += self._sums.cpu()
+        for i in range(self.num_layers):
+            kept, seen = (t.double() for t in self.layer_counts(i))
+            sums[i] += torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), torch.tensor(kept.numel())])
+        return sums
+
     def summary(self) -> dict:
         """Mean tokens attended per query row and selection head over the sparse layers' decode steps."""
-        per_layer, kept_all, seen_all = {}, [], []
-        for i in range(self.num_layers):
-            kept, seen = self.layer_counts(i)
-            if kept.numel():
-                per_layer[i] = float(kept.float().mean())
-                kept_all.append(kept)
-                seen_all.append(seen)
-        if not kept_all:
+        sums = self.layer_sums()
+        rows = sums[:, 3]
+        if not bool((rows > 0).any()):
             return {
                 "avg_budget_tokens": None,
                 "avg_context_tokens": None,
                 "avg_budget_fraction": None,
                 "per_layer_avg_tokens": {},
             }
-        kept, seen = torch.cat(kept_all).double(), torch.cat(seen_all).double()
+        total = sums.sum(0)
         return {
-            "avg_budget_tokens": float(kept.mean()),
-            "avg_context_tokens": float(seen.mean()),
-            "avg_budget_fraction": float((kept / seen.clamp(min=1)).mean()),
-            "per_layer_avg_tokens": per_layer,
+            "avg_budget_tokens": float(total[0] / total[3]),
+            "avg_context_tokens": float(total[1] / total[3]),
+            "avg_budget_fraction": float(total[2] / total[3]),
+            "per_layer_avg_tokens": {i: float(sums[i, 0] / rows[i]) for i in range(self.num_layers) if rows[i] > 0},
         }
 
 
@@ -276,11 +337,65 @@ class SparseCache(Cache):
         self.stats = BudgetStats(len(infos))
         #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
         self.record_stats = True
+        #: fixed-shape decoding (`begin_fixed_shape`): the step's write position [1] and which of the buffer's
+        #: slots it sees [1, 1, capacity], both on the device and rewritten in place by `prepare_fixed_step`
+        self.fixed_position: torch.Tensor | None = None
+        self.fixed_visible: torch.Tensor | None = None
+        self.fixed_slots: torch.Tensor | None = None  # arange(capacity)
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         # opaque to torch.compile, like the attention function: lengths and buffers change every step
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # fixed-shape decoding --------------------------------------------------------------------------------------
+    def fixed_shape_refusal(self, capacity: int) -> str | None:
+        """Why this cache cannot decode with fixed shapes up to `capacity` tokens (None: it can)."""
+        if self.attend_densely:
+            return "verification forwards attend densely"
+        for layer in self.layers:
+            if (layer.selector is not None and layer.prompt_open) or layer._key_buffer is None:
+                return "the prompt has not been cached"
+            if layer.selector is not None and not layer.selector.fixed_shape:
+                return f"{layer.selector.name} has no fixed-shape decode step"
+            if layer.pruner is not None:
+                return "the top-p pruner has no fixed-shape decode step"
+        if capacity <= self.layers[0].length:
+            return f"no room: {self.layers[0].length} tokens cached, capacity {capacity}"
+        return None
+
+    def begin_fixed_shape(self, capacity: int) -> None:
+        """From now on every forward writes one token at `fixed_position` and attention sees the first `capacity`
+        slots of each layer's buffer, masked by `fixed_visible`: the same shapes at every step, no host value
+        read or written by the step, so one CUDA graph replays every step (`sparsekv.graph_decode`)."""
+        if (why := self.fixed_shape_refusal(capacity)) is not None:
+            raise ConfigError(f"fixed-shape decoding is not available: {why}")
+        device = self.layers[0]._key_buffer.device
+        length = self.layers[0].length
+        self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
+        self.fixed_slots = torch.arange(capacity, device=device)
+        self.fixed_visible = torch.zeros(1, 1, capacity, dtype=torch.bool, device=device)
+        self.stats.prepare_sums(device)
+        for layer in self.layers:
+            layer.begin_fixed_shape(self.fixed_position, capacity)
+        self.prepare_fixed_step()
+
+    def prepare_fixed_step(self) -> None:
+        """Points the step at its position (device ops only: a CUDA graph captures them with the step)."""
+        torch.le(self.fixed_slots, self.fixed_position, out=self.fixed_visible[0, 0])
+
+    def advance_fixed_shape(self) -> None:
+        """Host bookkeeping after a fixed-shape step ran (or was replayed): one more token in every layer."""
+        for layer in self.layers:
+            layer.length += 1
+
+    def end_fixed_shape(self) -> None:
+        """Back to ordinary (eager, growing) decoding; the cached tokens and every selector's state carry over."""
+        if self.fixed_position is None:
+            return
+        for layer in self.layers:
+            layer.end_fixed_shape()
+        self.fixed_position = self.fixed_visible = self.fixed_slots = None
 
     def tokens_past_prompt(self, layer: SparseLayer) -> int:
         """Tokens of the forward in flight that lie past the prompt's end (0 unless its length is known)."""

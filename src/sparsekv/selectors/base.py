@@ -355,6 +355,9 @@ class TokenSelector:
     rewrites_prompt: ClassVar[bool] = False
     #: the option that a given `budget` sets, for a method whose budget is not per decode step (GemFilter: keep)
     budget_option: ClassVar[str | None] = None
+    #: the method has a fixed-shape decode step (`append_fixed_shape`, and a `select` that reads no host value of
+    #: the device): one CUDA graph then replays every decode step of `model.generate()` (`sparsekv.graph_decode`)
+    fixed_shape: ClassVar[bool] = False
 
     @classmethod
     def check_model(cls, model, config: SparseConfig) -> None:
@@ -404,6 +407,16 @@ class TokenSelector:
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Extends the state with newly cached tokens."""
+
+    def begin_fixed_shape(self, capacity: int) -> None:
+        """Fixed-shape decoding starts (`fixed_shape` methods): make room for `capacity` tokens in the state, once.
+        Until `end_fixed_shape`, steps see the whole capacity (`step.visible` masks the slots not yet written)."""
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """`append` of one token at a device position [1] (no host count changes: a CUDA graph replays it)."""
+
+    def end_fixed_shape(self, length: int) -> None:
+        """Fixed-shape decoding ends with `length` tokens cached: the host counts catch up."""
 
     def score(self, step: DecodeStep) -> torch.Tensor:
         """[B, Hq or Hkv, Q, N] importance of each key for each query (higher = keep)."""

@@ -114,6 +114,7 @@ class LSHSelector(TokenSelector):
     changes the codes but not the exact ranking), seed (one projection per layer, derived from it)."""
 
     name = "lsh"
+    fixed_shape = True
     bits: int = 1024
     variant: str = "simhash"
     center_keys: bool = True
@@ -142,6 +143,7 @@ class LSHSelector(TokenSelector):
         self.prompt_length = 0
         self.key_mean: torch.Tensor | None = None
         self.key_codes = CodeBuffer()
+        self._fixed = False  # fixed-shape decoding: new codes are written at the step's device position
 
     def prefill(
         self,
@@ -156,6 +158,29 @@ class LSHSelector(TokenSelector):
 
     def crop(self, length: int) -> None:
         self.key_codes.length = min(self.key_codes.length, length)  # the prompt's mean stays: length >= prompt
+
+    def begin_fixed_shape(self, capacity: int) -> None:
+        # the codes are complete: a fixed-shape step always follows at least one ordinary decode step
+        codes = self.key_codes
+        if codes.codes.shape[-2] < capacity:
+            grown = codes.codes.new_zeros(*codes.codes.shape[:-2], capacity, codes.codes.shape[-1])
+            grown[..., : codes.length, :] = codes.view()
+            codes.codes = grown
+        self._fixed = True
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        new = keys.float() if self.key_mean is None else keys.float() - self.key_mean
+        self.key_codes.codes.index_copy_(-2, position, hash_codes(new, self.projection))
+
+    def end_fixed_shape(self, length: int) -> None:
+        self.key_codes.length = length
+        self._fixed = False
+
+    def _codes_view(self, step: DecodeStep) -> torch.Tensor:
+        if self._fixed:
+            return self.key_codes.codes[..., : step.keys.shape[-2], :]
+        self._sync(step)
+        return self.key_codes.view()
 
     def _sync(self, step: DecodeStep) -> None:
         keys = step.keys
@@ -173,13 +198,12 @@ class LSHSelector(TokenSelector):
             self.key_codes.append(hash_codes(new, self.projection))
 
     def score(self, step: DecodeStep) -> torch.Tensor:
-        self._sync(step)
-        return code_scores(hash_codes(step.query, self.projection), self.key_codes.view(), self.bits, step)
+        return code_scores(hash_codes(step.query, self.projection), self._codes_view(step), self.bits, step)
 
     def select(self, step: DecodeStep) -> Selection:
-        self._sync(step)
+        codes = self._codes_view(step)
         query_codes = lambda: hash_codes(step.query, self.projection)
-        fast = fused_hamming_selection(query_codes, self.key_codes.view(), self.bits, step, self.threshold_hints)
+        fast = fused_hamming_selection(query_codes, codes, self.bits, step, self.threshold_hints)
         if fast is not None:
             return fast
-        return code_selection(query_codes(), self.key_codes.view(), self.bits, step)
+        return code_selection(query_codes(), codes, self.bits, step)

@@ -40,6 +40,7 @@ class OracleTopK(TokenSelector):
     """Top-k by exact attention weight."""
 
     name = "oracle-topk"
+    fixed_shape = True  # no state: the step scores the buffer it is handed
 
     def crop(self, length: int) -> None:
         pass  # no state: every step scores the cached keys exactly

@@ -300,6 +300,7 @@ class SpotlightSelector(TokenSelector):
     """
 
     name = "spotlight"
+    fixed_shape = True
     checkpoint: str = "auto"
     bits: int | None = None
     hash: str | None = None
@@ -468,6 +469,19 @@ class SpotlightSelector(TokenSelector):
         self._hash_pending()
         self._length = min(self._length, length)
 
+    def begin_fixed_shape(self, capacity: int) -> None:
+        self._hash_pending()
+        if self._codes.shape[-2] < capacity:
+            grown = self._codes.new_zeros(*self._codes.shape[:-2], capacity, self._codes.shape[-1])
+            grown[..., : self._length, :] = self._codes[..., : self._length, :]
+            self._codes = grown
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        self._codes.index_copy_(-2, position, self._hash(keys, "k"))
+
+    def end_fixed_shape(self, length: int) -> None:
+        self._length = length
+
     def _hash_pending(self) -> None:
         if self._pending is not None:
             t = self._pending.shape[-2]
@@ -495,7 +509,8 @@ class SpotlightSelector(TokenSelector):
     def score(self, step: DecodeStep) -> torch.Tensor:
         """[B, S, Q, N] int32 matching bits (S = kv heads for gqa 'group', query heads for 'head')."""
         query_codes = self._hash(step.query, "q")  # [B, Hq, Q, W]
-        keys = self.key_codes[..., : step.keys.shape[-2], :]
+        self._hash_pending()
+        keys = self._codes[..., : step.keys.shape[-2], :]
         if step.gqa == "head" and self.layer.group_size > 1:
             keys = keys.repeat_interleave(self.layer.group_size, dim=1)
         return hamming_scores(query_codes, keys, bits=self.code_bits)
