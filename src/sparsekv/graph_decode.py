@@ -103,9 +103,9 @@ class GraphDecode:
             return "not called with input_ids keywords"
         if ids.dim() != 2 or ids.shape[1] != 1:
             self.decoded = 0  # a prompt (chunk) or several tokens: the next one-token step starts afresh
-            return "not a one-token decode step"
+            return "prompt or several tokens"
         if self.mode is None and ids.device.type != "cuda":
-            return "no CUDA device (graph_decode=True runs the fixed-shape step on CPU)"
+            return "no CUDA device"
         if self.refusal is not None:
             return self.refusal
         self.decoded += 1

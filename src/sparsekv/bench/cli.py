@@ -146,8 +146,10 @@ def generate(
     layers: Annotated[int | None, typer.Option(help="decoder layers (fewer than the model's to fit)")] = None,
     context: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 32768,
     batch: Annotated[int, typer.Option(help="batch size")] = 1,
-    rows: Annotated[str, typer.Option(help="comma-separated: hf-dense, hf-static-compile and methods")] = (
-        "hf-dense,hf-static-compile,spotlight,lsh,quest,twilight,double-sparsity,self-index"
+    rows: Annotated[str, typer.Option(
+        help="comma-separated: hf-dense, hf-static-compile and methods (dense: sparsekv's captured dense step; "
+        "<method>@eager: without CUDA graphs)")] = (
+        "hf-dense,hf-static-compile,dense,spotlight,lsh,quest,twilight,double-sparsity,self-index"
     ),
     budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
     top_p: Annotated[float | None, typer.Option("--top-p", help="Twilight top-p pruning")] = None,
@@ -160,7 +162,7 @@ def generate(
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Decode TPOT through model.generate(): HF dense, HF static cache + compile and each method, one process."""
-    from sparsekv.bench.generate import run_generate
+    from sparsekv.bench.generate import decode_path, run_generate
 
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
@@ -170,17 +172,21 @@ def generate(
         title=f"model.generate(): {model} ({result['layers']} layers) N{context} B{batch} budget {budget} on "
         f"{result['device']}, transformers {result['transformers']}"
     )
-    for col in ("row", "TPOT ms", "tokens/s", "vs HF best dense", "tokens attended", "prefill s", "peak GB"):
-        table.add_column(col, justify="left" if col == "row" else "right")
+    columns = ("row", "TPOT ms", "tokens/s", "vs HF best dense", "vs captured dense", "tokens attended", "prefill s",
+               "peak GB", "decode steps")  # fmt: skip
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("row", "decode steps") else "right")
     for r in result["summary"]:
         if r.get("error"):
-            table.add_row(r["row"], r["error"], "", "", "", "", "")
+            table.add_row(r["row"], r["error"], *[""] * (len(columns) - 2))
             continue
         table.add_row(
             r["row"], f"{r['tpot_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
             f"{r['vs_hf_best_dense']:.2f}x" if r["vs_hf_best_dense"] else "",
+            f"{r['vs_captured_dense']:.2f}x" if r["vs_captured_dense"] else "",
             f"{r['avg_budget_tokens']:.0f} / {r['avg_context_tokens']:.0f}" if r["avg_budget_tokens"] else "",
             f"{r['prefill_s']:.1f}", f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "",
+            decode_path(r.get("decode_paths")),
         )  # fmt: skip
     console.print(table)
     _write(result, output)

@@ -4,13 +4,15 @@ The same random prompts through, in turn:
 
 - `hf-dense`: plain `model.generate()` (transformers' DynamicCache, SDPA);
 - `hf-static-compile`: `model.generate(cache_implementation="static")`, which transformers compiles on CUDA;
-- each method: `model.generate()` under `sparsekv.enabled(model, SparseConfig(method, budget))`.
+- each method: `model.generate()` under `sparsekv.enabled(model, SparseConfig(method, budget))`, whose decode steps
+  replay one CUDA graph where the method has a fixed-shape step (`sparsekv.graph_decode`); `dense` is sparsekv's
+  own captured dense step. A row `<method>@eager` runs the same with `graph_decode=False`.
 
 Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a one-shot prefill of a long batch does
 not fit the GPU). The time of each generated token is taken by a streamer (transformers hands it each token as
 it is produced); TPOT is the mean over the steps after `warmup` (the first steps compile kernels and graphs), so
 the prefill is not in it. Peak memory and, for the methods, the tokens attended per step (from the cache's stats)
-are reported beside it.
+are reported beside it, and how the decode steps ran (`decode_paths`: CUDA graph replays, or eager and why).
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ import torch
 from sparsekv.config import ConfigError, SparseConfig
 
 HF_ROWS = ("hf-dense", "hf-static-compile")
-DEFAULT_METHODS = ("spotlight", "lsh", "quest", "twilight", "double-sparsity", "self-index")
+DEFAULT_METHODS = ("dense", "spotlight", "lsh", "quest", "twilight", "double-sparsity", "self-index")
+EAGER_SUFFIX = "@eager"
+
+
+def _method_of(row: str) -> str:
+    return row.removesuffix(EAGER_SUFFIX)
 
 
 class _TokenClock:
@@ -46,7 +53,10 @@ class _TokenClock:
 def _config_for(row: str, budget: float, top_p: float | None) -> SparseConfig | None:
     if row in HF_ROWS:
         return None
-    return SparseConfig(method=row, budget=budget, top_p=top_p)
+    method = _method_of(row)
+    if method == "dense":
+        return SparseConfig(method=method)
+    return SparseConfig(method=method, budget=budget, top_p=top_p)
 
 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
@@ -68,14 +78,16 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     result: dict = {"row": row}
+    paths = None
     try:
         if config is None:
             model.generate(ids, **kwargs)
             stats = None
         else:
-            with sparsekv.enabled(model, config):
+            with sparsekv.enabled(model, config, graph_decode=False if row.endswith(EAGER_SUFFIX) else None) as rt:
                 model.generate(ids, **kwargs)
                 stats = sparsekv.last_cache(model).stats.summary()
+                paths = dict(rt.graph.steps)
     except torch.OutOfMemoryError as error:
         return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     times = clock.times  # prompt, first token (end of the prefill), then one per decode step
@@ -89,6 +101,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
         avg_budget_tokens=stats and stats["avg_budget_tokens"],
         avg_context_tokens=stats and stats["avg_context_tokens"],
         sparse_layers=stats and sorted(stats["per_layer_avg_tokens"]),
+        decode_paths=paths,
     )
     return result
 
@@ -119,7 +132,7 @@ def run_generate(
             raise ConfigError(f"{what} must be >= {least}, got {value}")
     for row in rows:
         if row not in HF_ROWS:
-            get_method_class(row)  # unknown names: one ConfigError listing the methods
+            get_method_class(_method_of(row))  # unknown names: one ConfigError listing the methods
             _config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -152,17 +165,31 @@ def run_generate(
     }
 
 
+def decode_path(paths: dict | None) -> str:
+    """The decode steps' paths in short: "graph 62 / eager 2 (first decode step, ...)"."""
+    if not paths:
+        return ""
+    graph = paths.get("graph", 0) + paths.get("fixed-shape", 0)
+    eager = {k.removeprefix("eager: "): v for k, v in paths.items() if k.startswith("eager")}
+    reasons = ", ".join(k for k in eager if k not in ("prompt or several tokens", "first decode step"))
+    steps = sum(paths.values()) - paths.get("eager: prompt or several tokens", 0)
+    return f"graph {graph}/{steps}" + (f" ({reasons})" if reasons else "")
+
+
 def summarize(results: list[dict]) -> list[dict]:
-    """Per row: the best TPOT over the rounds and its ratio to HF's best dense (the faster of the two HF rows)."""
+    """Per row: the best TPOT over the rounds and its ratios to HF's best dense (the faster of the two HF rows) and
+    to sparsekv's own captured dense step (the `dense` row)."""
     best: dict[str, dict] = {}
     for r in results:
         if r.get("tpot_ms") is not None and (r["row"] not in best or r["tpot_ms"] < best[r["row"]]["tpot_ms"]):
             best[r["row"]] = r
     hf = [best[row]["tpot_ms"] for row in HF_ROWS if row in best]
     reference = min(hf) if hf else None
+    captured = best["dense"]["tpot_ms"] if "dense" in best else None
     rows = []
     for row in dict.fromkeys(r["row"] for r in results):
         r = best.get(row) or next(x for x in results if x["row"] == row)
-        speedup = reference / r["tpot_ms"] if reference and r.get("tpot_ms") else None
-        rows.append({**r, "vs_hf_best_dense": speedup})
+        tpot = r.get("tpot_ms")
+        rows.append({**r, "vs_hf_best_dense": reference / tpot if reference and tpot else None,
+                     "vs_captured_dense": captured / tpot if captured and tpot else None})  # fmt: skip
     return rows

@@ -1,0 +1,102 @@
+"""`model.generate()` through `sparsekv.graph_decode`: the fixed-shape decode step (what a CUDA graph replays) gives
+the eager path's tokens and stats; forwards it cannot take run eagerly and say why.
+
+On CPU the fixed-shape step runs without a graph (`graph_decode=True`); on CUDA the same tests capture and replay
+it (random-weight model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sparsekv
+from sparsekv import ConfigError, SparseConfig
+from sparsekv.hf_compat import cache_kwargs
+from sparsekv.models import random_model
+
+FIXED_SHAPE_METHODS = [("dense", None), ("oracle-topk", 0.05), ("spotlight", 0.05), ("lsh", 0.05)]
+STEPS = 64
+
+
+def _config(method: str, budget: float | None) -> SparseConfig:
+    return SparseConfig(method=method) if budget is None else SparseConfig(method=method, budget=budget, local=4)
+
+
+def _generate(model, ids, config: SparseConfig, graph_decode, steps: int = STEPS, **kwargs):
+    with sparsekv.enabled(model, config, graph_decode=graph_decode) as runtime:
+        out = model.generate(ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, **kwargs)
+        return out[:, ids.shape[1] :], dict(runtime.graph.steps), sparsekv.last_cache(model)
+
+
+@pytest.fixture(scope="module")
+def prompt(real_model):
+    _, tokenizer = real_model
+    text = "The committee met on Tuesday to review the budget. " * 40 + "The secret code is 4711. " * 3
+    return tokenizer([text], return_tensors="pt").input_ids
+
+
+@pytest.mark.parametrize("method,budget", FIXED_SHAPE_METHODS)
+def test_fixed_shape_step_equals_eager(real_model, prompt, method, budget):
+    model, _ = real_model
+    config = _config(method, budget)
+    eager, eager_steps, eager_cache = _generate(model, prompt, config, graph_decode=False)
+    fixed, fixed_steps, fixed_cache = _generate(model, prompt, config, graph_decode=True)
+    assert torch.equal(fixed, eager)
+    # the prompt and the first decode step run eagerly, the other 62 steps take the fixed-shape step
+    assert fixed_steps == {"eager: prompt or several tokens": 1, "eager: first decode step": 1, "fixed-shape": 62}
+    assert eager_steps == {"eager: graph_decode=False": STEPS}
+    eager_stats, fixed_stats = eager_cache.stats.summary(), fixed_cache.stats.summary()
+    for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
+        assert fixed_stats[key] == pytest.approx(eager_stats[key])
+    # afterwards the cache is an ordinary one again, at the same length
+    layer = fixed_cache.layers[-1]
+    assert layer.fixed_position is None and layer.keys.shape[-2] == layer.length == prompt.shape[1] + STEPS - 1
+
+
+def test_the_cache_decodes_on_after_a_graph_generation(real_model, prompt):
+    """A second generate() continuing the first one's cache: fixed shapes again, same tokens as eager."""
+    model, _ = real_model
+    config = _config("spotlight", 0.05)
+    outputs = []
+    for graph_decode in (False, True):
+        with sparsekv.enabled(model, config, graph_decode=graph_decode):
+            first = model.generate(prompt, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+            cache = first.past_key_values
+            second = model.generate(first.sequences, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False)
+            outputs.append(second)
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_padded_batches_and_methods_without_a_fixed_step_decode_eagerly(real_model):
+    model, tokenizer = real_model
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    batch = tokenizer(["A short one.", "A much longer prompt that needs no padding at all here."],
+                      return_tensors="pt", padding=True)  # fmt: skip
+    with sparsekv.enabled(model, _config("spotlight", 0.2), graph_decode=True) as runtime:
+        model.generate(**batch, max_new_tokens=4, do_sample=False)
+        assert runtime.graph.steps.get("eager: the batch is padded") == 3
+    ids = batch.input_ids[1:]
+    with sparsekv.enabled(model, _config("quest", 0.2), graph_decode=True) as runtime:
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        assert runtime.graph.steps.get("eager: quest has no fixed-shape decode step") == 2
+
+
+def test_graph_decode_must_be_a_bool_or_none(real_model):
+    model, _ = real_model
+    with pytest.raises(ConfigError, match="graph_decode"):
+        sparsekv.enable(model, _config("spotlight", 0.1), graph_decode="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method,budget", FIXED_SHAPE_METHODS)
+def test_cuda_graph_replays_equal_eager(method, budget):
+    model = random_model("tiny-llama", dtype=torch.float32, device="cuda", num_hidden_layers=4)
+    ids = torch.randint(3, model.config.vocab_size, (2, 700), generator=torch.Generator().manual_seed(0)).cuda()
+    config = _config(method, budget)
+    eager, _, eager_cache = _generate(model, ids, config, graph_decode=False, pad_token_id=0)
+    graphed, steps, graph_cache = _generate(model, ids, config, graph_decode=None, pad_token_id=0)
+    assert steps.get("graph") == STEPS - 2, steps
+    assert torch.equal(graphed, eager)
+    eager_stats, graph_stats = eager_cache.stats.summary(), graph_cache.stats.summary()
+    assert graph_stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
