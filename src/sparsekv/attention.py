@@ -224,7 +224,8 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
     config = cache.config
     forced = forced_tokens(visible, config.sink, config.local)
-    hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink, local=config.local)
+    hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink, local=config.local,
+                      fixed=True)  # fmt: skip
     step = DecodeStep(query, key, value, visible, forced, token_budgets(config, visible, forced), selector.layer,
                       config.gqa, hints)  # fmt: skip
     selection = selector.select(step)

@@ -243,8 +243,8 @@ class BudgetStats:
         """`record` for fixed-shape steps: adds to the device sums, in place."""
         kept = selection.counts().double()  # [B, S, Q]
         seen = visible.sum(-1)[:, None].double().expand_as(kept)
-        row = torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), kept.new_tensor(kept.numel())])
-        self._sums[layer_idx].add_(row)
+        rows = torch.full((), kept.numel(), dtype=torch.float64, device=kept.device)  # a fill: no host copy
+        self._sums[layer_idx].add_(torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), rows]))
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []

@@ -149,6 +149,9 @@ class StepHints:
     uniform: bool
     sink: int = 0
     local: int = 0
+    #: a fixed-shape step (`SparseCache.begin_fixed_shape`): the keys are the whole preallocated buffer, `visible`
+    #: masks the slots not yet written, `budgets` vary under `max_budget` (the budget of the whole buffer)
+    fixed: bool = False
 
 
 def host_budget(config: SparseConfig, visible: int) -> int:
@@ -261,6 +264,39 @@ def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[in
     picked = select_topk(flipped, hints.max_budget, value_range=(lo, top))
     indices = (n - 1) - picked
     return every_index(indices)
+
+
+def fixed_int_topk_selection(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection | None:
+    """Device path of `hamming_topk`'s rule (score, then the more recent key, forced first) for fixed-shape steps.
+
+    The sort-free histogram select picks the `max_budget` best keys of the buffer (unwritten slots score below
+    every key, forced ones above); only those few are then sorted, and each row keeps its own budget of them —
+    the same set as ranking the whole row. None off CUDA / Triton (the caller ranks the whole row)."""
+    from sparsekv.kernels._triton import use_triton
+
+    if scores.device.type == "cpu" or not use_triton(scores) or step.hints.max_budget >= scores.shape[-1]:
+        return None
+    return _fixed_int_topk_core(scores, step, value_range)
+
+
+def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection:
+    """`fixed_int_topk_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
+    from sparsekv.kernels.topk import select_topk
+
+    n, k = scores.shape[-1], step.hints.max_budget
+    lo, hi = value_range
+    lowest, top = lo - 1, hi + 1
+    dtype = torch.int16 if -(2**15) <= lowest and top < 2**15 else torch.int32
+    ranked = torch.where(step.visible[:, None], scores.to(dtype), lowest)
+    ranked = ranked.masked_fill(step.forced[:, None], top)
+    # reversed along the keys: the select's ties go to the lowest position, i.e. the most recent key
+    picked = (n - 1) - select_topk(ranked.flip(-1), k, value_range=(lowest, top))
+    picked_scores = ranked.gather(-1, picked).to(torch.int64)
+    order = ((picked_scores << 32) | picked).argsort(dim=-1, descending=True)
+    indices = picked.gather(-1, order)
+    ranks = torch.arange(k, device=scores.device)
+    valid = (ranks < step.budgets[:, None, :, None]) & (picked_scores.gather(-1, order) > lowest)
+    return Selection(indices=indices, valid=valid)
 
 
 # The threshold window pays off from about this many scored keys per step (H200, 2% budget: 128K x 64 rows and

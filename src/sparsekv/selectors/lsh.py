@@ -22,6 +22,7 @@ from sparsekv.selectors.base import (
     RowBuffer,
     Selection,
     TokenSelector,
+    fixed_int_topk_selection,
     fused_hamming_selection,
     to_selection_heads,
     topk_selection,
@@ -83,6 +84,10 @@ def code_selection(
 ) -> Selection:
     """Top-budget keys by Hamming similarity, ties broken towards recent keys (deterministic)."""
     scores = to_selection_heads(code_scores(query_codes, key_codes, bits, step), step)
+    if step.hints is not None and step.hints.fixed:
+        group = step.layer.group_size if step.gqa == "group" else 1
+        if (fixed := fixed_int_topk_selection(scores, step, (0, group * bits))) is not None:
+            return fixed
     return topk_selection(unique_ranks(scores), step)
 
 

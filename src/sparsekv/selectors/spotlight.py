@@ -50,6 +50,7 @@ from sparsekv.selectors.base import (
     RowBuffer,
     Selection,
     TokenSelector,
+    fixed_int_topk_selection,
     fused_hamming_selection,
     int_topk_selection,
 )
@@ -523,7 +524,12 @@ class SpotlightSelector(TokenSelector):
         if fast is not None:
             return fast
         group = self.layer.group_size if step.gqa == "group" else 1
-        return hamming_topk(self.score(step), step, value_range=(0, group * self.code_bits))
+        value_range = (0, group * self.code_bits)
+        scores = self.score(step)
+        if step.hints is not None and step.hints.fixed:
+            if (fixed := fixed_int_topk_selection(scores, step, value_range)) is not None:
+                return fixed
+        return hamming_topk(scores, step, value_range=value_range)
 
 
 def hamming_topk(
