@@ -155,17 +155,20 @@ for n, k, sink, local, bits in [(300, 17, 0, 0, 128), (301, 40, 2, 3, 64), (1000
 from sparsekv.attention import token_budgets
 from sparsekv.config import SparseConfig
 from sparsekv.selectors.base import _fixed_int_topk_core, host_budget
-for n, length, budget, sink, local, hi in [(300, 211, 0.05, 0, 0, 512), (301, 301, 0.1, 2, 3, 512),
-                                           (129, 40, 7, 1, 1, 64), (1000, 999, 0.02, 4, 16, 3)]:
+for n, length, budget, sink, local, hi, start in [(300, 211, 0.05, 0, 0, 512, 200), (301, 301, 0.1, 2, 3, 512, None),
+                                                  (129, 40, 7, 1, 1, 64, 30), (1000, 999, 0.02, 4, 16, 3, 900),
+                                                  (640, 500, 0.05, 0, 2, 8, None)]:
     config = SparseConfig(method="spotlight", budget=budget, sink=sink, local=local)
     scores = torch.randint(0, hi + 1, (2, 2, 1, n), generator=g, dtype=torch.int32)
     visible = (torch.arange(n) < length).expand(2, 1, n)
     forced = forced_tokens(visible, sink, local)
+    hints = StepHints(max_budget=host_budget(config, n), uniform=False, sink=sink, local=local, fixed=True,
+                      min_budget=None if start is None else host_budget(config, start))
     step = DecodeStep(torch.zeros(2, 8, 1, 16), torch.zeros(2, 2, n, 16), torch.zeros(2, 2, n, 16), visible,
-                      forced, token_budgets(config, visible, forced), layer, "group",
-                      StepHints(max_budget=host_budget(config, n), uniform=False, sink=sink, local=local, fixed=True))
+                      forced, token_budgets(config, visible, forced), layer, "group", hints)
     ref = hamming_topk(scores, step)
-    fast = _fixed_int_topk_core(scores.to(dev), step, (0, hi))
+    on_dev = step.replace(visible=visible.to(dev), forced=forced.to(dev), budgets=step.budgets.to(dev))
+    fast = _fixed_int_topk_core(scores.to(dev), on_dev, (0, hi))
     assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, length, budget, sink, local, hi)
     assert torch.equal(ref.counts(), fast.counts().cpu())
 print("OK")

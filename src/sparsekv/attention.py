@@ -208,12 +208,28 @@ def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCac
     return out.transpose(1, 2).contiguous(), None
 
 
+def _fixed_step_masks(cache: SparseCache, batch: int, q_len: int) -> dict[str, torch.Tensor]:
+    """What every layer of a fixed-shape step shares, built once per step: the visible slots [B, Q, capacity]
+    (every row sees the same cached tokens: the batch is unpadded), the forced ones, the budgets and visible
+    counts [B, Q] (expanded views of one row)."""
+    shared = cache.fixed_step
+    if not shared:
+        config = cache.config
+        visible = cache.fixed_visible  # [1, 1, capacity]
+        forced = forced_tokens(visible, config.sink, config.local)
+        shared.update(visible=visible, forced=forced, budgets=token_budgets(config, visible, forced),
+                      seen=visible.sum(-1))  # fmt: skip
+    rows = (batch, q_len)
+    return {name: t.expand(*rows, *t.shape[2:]) for name, t in shared.items()}
+
+
 def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, layer):
     """One new token's attention over the whole preallocated buffer (`SparseCache.begin_fixed_shape`): which slots
     hold cached tokens comes from a device mask, budgets are device tensors under a host bound set by the buffer's
     capacity, and nothing reads the device back, so a CUDA graph of the step is valid at every position."""
     batch, _, q_len, _ = query.shape
-    visible = cache.fixed_visible.expand(batch, q_len, -1)  # [B, 1, capacity]
+    shared = _fixed_step_masks(cache, batch, q_len)
+    visible = shared["visible"]  # [B, 1, capacity]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     selector = layer.selector
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
@@ -223,13 +239,12 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         return out.transpose(1, 2).contiguous(), None
     selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
     config = cache.config
-    forced = forced_tokens(visible, config.sink, config.local)
-    hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink, local=config.local,
-                      fixed=True)  # fmt: skip
-    step = DecodeStep(query, key, value, visible, forced, token_budgets(config, visible, forced), selector.layer,
-                      config.gqa, hints)  # fmt: skip
+    hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,
+                      local=config.local, fixed=True, min_budget=host_budget(config, cache.fixed_start + 1))
+    step = DecodeStep(query, key, value, visible, shared["forced"], shared["budgets"], selector.layer, config.gqa,
+                      hints)  # fmt: skip
     selection = selector.select(step)
     if cache.record_stats:
-        cache.stats.add(module.layer_idx, selection, visible)
+        cache.stats.add(module.layer_idx, selection, shared["seen"])
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

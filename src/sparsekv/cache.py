@@ -239,10 +239,11 @@ class BudgetStats:
         if self._sums is None or self._sums.device != device:
             self._sums = torch.zeros(self.num_layers, 4, dtype=torch.float64, device=device)
 
-    def add(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
-        """`record` for fixed-shape steps: adds to the device sums, in place."""
+    def add(self, layer_idx: int, selection: Selection, seen: torch.Tensor) -> None:
+        """`record` for fixed-shape steps, given each row's visible count `seen` [B, Q]: adds to the device sums,
+        in place."""
         kept = selection.counts().double()  # [B, S, Q]
-        seen = visible.sum(-1)[:, None].double().expand_as(kept)
+        seen = seen[:, None].double().expand_as(kept)
         rows = torch.full((), kept.numel(), dtype=torch.float64, device=kept.device)  # a fill: no host copy
         self._sums[layer_idx].add_(torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), rows]))
 
@@ -342,6 +343,9 @@ class SparseCache(Cache):
         self.fixed_position: torch.Tensor | None = None
         self.fixed_visible: torch.Tensor | None = None
         self.fixed_slots: torch.Tensor | None = None  # arange(capacity)
+        self.fixed_start = 0  # tokens cached when fixed-shape decoding began
+        #: what every layer of the step in flight shares (built by the first layer that needs it, in the graph)
+        self.fixed_step: dict[str, torch.Tensor] = {}
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -371,7 +375,7 @@ class SparseCache(Cache):
         if (why := self.fixed_shape_refusal(capacity)) is not None:
             raise ConfigError(f"fixed-shape decoding is not available: {why}")
         device = self.layers[0]._key_buffer.device
-        length = self.layers[0].length
+        length = self.fixed_start = self.layers[0].length
         self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
         self.fixed_slots = torch.arange(capacity, device=device)
         self.fixed_visible = torch.zeros(1, 1, capacity, dtype=torch.bool, device=device)
@@ -383,6 +387,7 @@ class SparseCache(Cache):
     def prepare_fixed_step(self) -> None:
         """Points the step at its position (device ops only: a CUDA graph captures them with the step)."""
         torch.le(self.fixed_slots, self.fixed_position, out=self.fixed_visible[0, 0])
+        self.fixed_step = {}
 
     def advance_fixed_shape(self) -> None:
         """Host bookkeeping after a fixed-shape step ran (or was replayed): one more token in every layer."""

@@ -152,6 +152,8 @@ class StepHints:
     #: a fixed-shape step (`SparseCache.begin_fixed_shape`): the keys are the whole preallocated buffer, `visible`
     #: masks the slots not yet written, `budgets` vary under `max_budget` (the budget of the whole buffer)
     fixed: bool = False
+    #: <= every entry of `budgets` (None: unknown)
+    min_budget: int | None = None
 
 
 def host_budget(config: SparseConfig, visible: int) -> int:
@@ -285,18 +287,24 @@ def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tu
 
     n, k = scores.shape[-1], step.hints.max_budget
     lo, hi = value_range
-    lowest, top = lo - 1, hi + 1
-    dtype = torch.int16 if -(2**15) <= lowest and top < 2**15 else torch.int32
-    ranked = torch.where(step.visible[:, None], scores.to(dtype), lowest)
+    # shifted to 1 + (0 .. hi - lo): unwritten slots rank 0, below every key, forced ones above every key
+    lowest, top = 0, hi - lo + 2
+    dtype = torch.int16 if top < 2**15 else torch.int32
+    ranked = torch.where(step.visible[:, None], (scores - (lo - 1)).to(dtype), lowest)
     ranked = ranked.masked_fill(step.forced[:, None], top)
     # reversed along the keys: the select's ties go to the lowest position, i.e. the most recent key
     picked = (n - 1) - select_topk(ranked.flip(-1), k, value_range=(lowest, top))
-    picked_scores = ranked.gather(-1, picked).to(torch.int64)
-    order = ((picked_scores << 32) | picked).argsort(dim=-1, descending=True)
-    indices = picked.gather(-1, order)
-    ranks = torch.arange(k, device=scores.device)
-    valid = (ranks < step.budgets[:, None, :, None]) & (picked_scores.gather(-1, order) > lowest)
-    return Selection(indices=indices, valid=valid)
+    picked_scores = ranked.gather(-1, picked)
+    valid = picked_scores > lowest
+    # a row whose budget is below k drops its k - budget last picks in the rule's order; at most k - min_budget
+    # of them, so only that many are ranked
+    surplus = k - (step.hints.min_budget if step.hints.min_budget is not None else 0)
+    if surplus > 0:
+        order_key = (picked_scores.to(torch.int64) << 32) | picked
+        last = order_key.topk(min(surplus, k), dim=-1, largest=False, sorted=True).indices
+        dropped = torch.arange(last.shape[-1], device=scores.device) < (k - step.budgets[:, None, :, None])
+        valid = valid.scatter(-1, last, valid.gather(-1, last) & ~dropped)
+    return Selection(indices=picked, valid=valid)
 
 
 # The threshold window pays off from about this many scored keys per step (H200, 2% budget: 128K x 64 rows and
