@@ -171,6 +171,29 @@ for n, length, budget, sink, local, hi, start in [(300, 211, 0.05, 0, 0, 512, 20
     fast = _fixed_int_topk_core(scores.to(dev), on_dev, (0, hi))
     assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, length, budget, sink, local, hi)
     assert torch.equal(ref.counts(), fast.counts().cpu())
+
+# the fused fixed-shape Hamming select (empty slots and the local window at the written end handled in the scoring
+# kernel) == the CPU rule on the written slots
+from sparsekv.selectors.base import _fixed_hamming_core
+for n, length, budget, sink, local, bits, start in [(300, 211, 0.05, 0, 0, 128, 200), (301, 301, 0.1, 2, 3, 64, None),
+                                                    (1000, 640, 0.02, 4, 16, 32, 600), (129, 40, 7, 1, 1, 96, 30)]:
+    config = SparseConfig(method="spotlight", budget=budget, sink=sink, local=local)
+    w = (bits + 31) // 32
+    qc = torch.randint(-2**31, 2**31 - 1, (2, 8, 1, w), generator=g, dtype=torch.int32)
+    kc = torch.randint(-2**31, 2**31 - 1, (2, 2, n, w), generator=g, dtype=torch.int32)
+    kc[:, :, n // 2 :] = kc[:, :, : n - n // 2]  # repeated codes: many equal scores
+    visible = (torch.arange(n) < length).expand(2, 1, n)
+    forced = forced_tokens(visible, sink, local)
+    hints = StepHints(max_budget=host_budget(config, n), uniform=False, sink=sink, local=local, fixed=True,
+                      min_budget=None if start is None else host_budget(config, start),
+                      written=torch.tensor([length], device=dev))
+    step = DecodeStep(torch.zeros(2, 8, 1, 16), torch.zeros(2, 2, n, 16), torch.zeros(2, 2, n, 16), visible,
+                      forced, token_budgets(config, visible, forced), layer, "group", hints)
+    ref = hamming_topk(hamming_scores_reference(qc, kc, bits=bits), step)
+    on_dev = step.replace(visible=visible.to(dev), forced=forced.to(dev), budgets=step.budgets.to(dev))
+    fast = _fixed_hamming_core(qc.to(dev), kc.to(dev), bits, on_dev)
+    assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, length, budget, sink, local, bits, "fused")
+    assert torch.equal(ref.counts(), fast.counts().cpu())
 print("OK")
 """
 

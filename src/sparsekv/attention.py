@@ -219,8 +219,9 @@ def _fixed_step_masks(cache: SparseCache, batch: int, q_len: int) -> dict[str, t
         forced = forced_tokens(visible, config.sink, config.local)
         shared.update(visible=visible, forced=forced, budgets=token_budgets(config, visible, forced),
                       seen=visible.sum(-1))  # fmt: skip
+        shared["written"] = cache.fixed_position + 1
     rows = (batch, q_len)
-    return {name: t.expand(*rows, *t.shape[2:]) for name, t in shared.items()}
+    return {name: t if name == "written" else t.expand(*rows, *t.shape[2:]) for name, t in shared.items()}
 
 
 def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, layer):
@@ -240,7 +241,8 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,
-                      local=config.local, fixed=True, min_budget=host_budget(config, cache.fixed_start + 1))
+                      local=config.local, fixed=True, min_budget=host_budget(config, cache.fixed_start + 1),
+                      written=shared["written"])  # fmt: skip
     step = DecodeStep(query, key, value, visible, shared["forced"], shared["budgets"], selector.layer, config.gqa,
                       hints)  # fmt: skip
     selection = selector.select(step)

@@ -137,6 +137,8 @@ def _hamming_kernel(
     HEADS1: tl.constexpr = 0,
     PREFETCH: tl.constexpr = False,
     ROTATE: tl.constexpr = False,
+    written_ptr=None,
+    FIXED: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c = tl.program_id(0)
@@ -211,8 +213,16 @@ def _hamming_kernel(
                     x = x & word_mask[None, :]
                 diff += popcount_tl(x, USE_POPC)
             score = G * bits - tl.sum(diff, axis=1)
-        # sink / local keys always make the cut: they score above every real key
-        score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
+        if FIXED:
+            # a fixed-shape buffer: only the first `written` slots hold keys. They score 1 + matching bits, the
+            # other slots 0 (below every key); the local keys are the last written ones
+            written = tl.load(written_ptr)
+            held = tok < written
+            score = tl.where((tok < sink) | ((tok >= written - local) & held), forced_score,
+                             tl.where(held, score + 1, 0))  # fmt: skip
+        else:
+            # sink / local keys always make the cut: they score above every real key
+            score = tl.where((tok < sink) | (tok >= N - local), forced_score, score)
         tl.store(o_base + offs, score.to(out_ptr.dtype.element_ty), mask=nmask)
         if HIST:
             if WINDOW:
@@ -233,10 +243,12 @@ def _hamming_kernel(
         tl.store(hist_ptr + (row * num_chunks + c) * (1 << NBITS) + tl.arange(0, 1 << NBITS), h)
 
 
-def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None):
+def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=False, sink=0, local=0, hint=None,
+            written=None):  # fmt: skip
     """radix=(levels, nbits): also write the level-0 radix histograms, or with `hint` ([rows] int32, each row's
     previous threshold) the threshold-window histogram instead. Forced (sink/local) keys score bits * g + 1;
-    `reverse` stores the scores newest key first."""
+    `reverse` stores the scores newest key first. `written` (int64 [1] on the device): only the first `written`
+    key slots hold keys; scores are then shifted by one (0 = an empty slot) and forced keys score bits * g + 2."""
     b, hq, q, w = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     g = hq // hkv
@@ -283,7 +295,7 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         *out.stride()[:3],
         sink,
         local,
-        g * bits + 1,
+        g * bits + (2 if written is not None else 1),
         G=g,
         W=w,
         WP=next_pow2(w),
@@ -303,6 +315,8 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         HEADS1=max(g - 4, 0) if TUNE["group_adders"] and g <= 8 else 0,
         PREFETCH=int(TUNE["prefetch"]),
         ROTATE=TUNE["rotate"] and window and reverse and bpc >= TUNE["rotate_min_tiles"],
+        written_ptr=written,
+        FIXED=written is not None,
         num_warps=TUNE["num_warps"],
         **pdl_launch(key_codes.device),
     )
@@ -433,3 +447,32 @@ def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
         first_done=state.window is None, reverse=state.reverse, window=state.window, hint=state.hint,
     )  # fmt: skip
     return out.view(*scores.shape[:-1], k)
+
+
+def hamming_topk_fixed_triton(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    written: torch.Tensor,
+    *,
+    bits: int,
+    sink: int = 0,
+    local: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hamming_topk_triton` (recent_first) over a fixed-shape buffer whose first `written` slots (int64 [1] on
+    the device) hold keys: -> (indices [B, Hkv, Q, k] int64 unordered, their ranking scores: 0 for an empty
+    slot, 1 + matching bits for a key, bits * g + 2 for a forced one). No host value depends on `written`, so
+    a CUDA graph replays it at every length."""
+    if _query_step(query_codes, key_codes) is not None:
+        raise ValueError("fixed-shape decoding scores one query per row")
+    _, g = check_code_shapes(query_codes, key_codes)
+    top = g * bits + 2
+    levels, nbits = int_levels(top + 1)
+    dtype = torch.int16 if top < 2**15 else torch.int32
+    scores, hist, num_chunks, bpc, block, _ = _launch(
+        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=True, sink=sink, local=local, written=written
+    )
+    state = ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, True)
+    indices = hamming_select(state, k)
+    n = scores.shape[-1]
+    return indices, scores.gather(-1, (n - 1) - indices)

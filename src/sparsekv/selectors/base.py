@@ -154,6 +154,9 @@ class StepHints:
     fixed: bool = False
     #: <= every entry of `budgets` (None: unknown)
     min_budget: int | None = None
+    #: fixed-shape steps: how many of the buffer's slots hold keys, int64 [1] on the device (every row: the batch
+    #: is unpadded)
+    written: torch.Tensor | None = None
 
 
 def host_budget(config: SparseConfig, visible: int) -> int:
@@ -294,17 +297,49 @@ def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tu
     ranked = ranked.masked_fill(step.forced[:, None], top)
     # reversed along the keys: the select's ties go to the lowest position, i.e. the most recent key
     picked = (n - 1) - select_topk(ranked.flip(-1), k, value_range=(lowest, top))
-    picked_scores = ranked.gather(-1, picked)
-    valid = picked_scores > lowest
-    # a row whose budget is below k drops its k - budget last picks in the rule's order; at most k - min_budget
-    # of them, so only that many are ranked
+    return _keep_budgets(picked, ranked.gather(-1, picked), step)
+
+
+def _keep_budgets(picked: torch.Tensor, picked_scores: torch.Tensor, step: DecodeStep) -> Selection:
+    """The `max_budget` picks of a fixed-shape step [B, S, Q, k] and their ranking scores (0 = an empty slot)
+    -> each row's own budget of them: a row whose budget is below k drops its k - budget last picks in the rule's
+    order (score, then position). At most k - min_budget of them, so only that many are ranked."""
+    k = picked.shape[-1]
+    valid = picked_scores > 0
     surplus = k - (step.hints.min_budget if step.hints.min_budget is not None else 0)
     if surplus > 0:
         order_key = (picked_scores.to(torch.int64) << 32) | picked
         last = order_key.topk(min(surplus, k), dim=-1, largest=False, sorted=True).indices
-        dropped = torch.arange(last.shape[-1], device=scores.device) < (k - step.budgets[:, None, :, None])
+        dropped = torch.arange(last.shape[-1], device=picked.device) < (k - step.budgets[:, None, :, None])
         valid = valid.scatter(-1, last, valid.gather(-1, last) & ~dropped)
     return Selection(indices=picked, valid=valid)
+
+
+def fixed_hamming_selection(
+    query_codes: Callable[[], torch.Tensor], key_codes: torch.Tensor, bits: int, step: DecodeStep
+) -> Selection | None:
+    """`fused_hamming_selection` for fixed-shape steps: scoring (empty slots below every key, the local window
+    at the written end), histogram and select fused in the Hamming kernels, then each row's budget. None where it
+    does not apply (the caller runs its own rule); `query_codes` is called only when it does."""
+    from sparsekv.kernels._triton import use_triton
+
+    hints = step.hints
+    if key_codes.device.type == "cpu" or hints is None or not hints.fixed or not use_triton(key_codes):
+        return None
+    if (step.gqa != "group" and step.layer.group_size > 1) or hints.max_budget >= key_codes.shape[2]:
+        return None
+    return _fixed_hamming_core(query_codes(), key_codes, bits, step)
+
+
+def _fixed_hamming_core(query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep) -> Selection:
+    """`fixed_hamming_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
+    from sparsekv.kernels._hamming_triton import hamming_topk_fixed_triton
+
+    hints = step.hints
+    picked, picked_scores = hamming_topk_fixed_triton(
+        query_codes, key_codes, hints.max_budget, hints.written, bits=bits, sink=hints.sink, local=hints.local
+    )
+    return _keep_budgets(picked, picked_scores, step)
 
 
 # The threshold window pays off from about this many scored keys per step (H200, 2% budget: 128K x 64 rows and

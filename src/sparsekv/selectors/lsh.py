@@ -22,6 +22,7 @@ from sparsekv.selectors.base import (
     RowBuffer,
     Selection,
     TokenSelector,
+    fixed_hamming_selection,
     fixed_int_topk_selection,
     fused_hamming_selection,
     to_selection_heads,
@@ -208,6 +209,9 @@ class LSHSelector(TokenSelector):
     def select(self, step: DecodeStep) -> Selection:
         codes = self._codes_view(step)
         query_codes = lambda: hash_codes(step.query, self.projection)
+        fast = fixed_hamming_selection(query_codes, codes, self.bits, step)
+        if fast is not None:
+            return fast
         fast = fused_hamming_selection(query_codes, codes, self.bits, step, self.threshold_hints)
         if fast is not None:
             return fast

@@ -50,6 +50,7 @@ from sparsekv.selectors.base import (
     RowBuffer,
     Selection,
     TokenSelector,
+    fixed_hamming_selection,
     fixed_int_topk_selection,
     fused_hamming_selection,
     int_topk_selection,
@@ -520,6 +521,9 @@ class SpotlightSelector(TokenSelector):
         # deferred new keys: their codes are written by `_query_codes`, which runs before the scorer
         keys = self._codes[..., : step.keys.shape[-2], :]
         query_codes = lambda: self._query_codes(step.query)  # hashed only when the fast path runs
+        fast = fixed_hamming_selection(query_codes, keys, self.code_bits, step)
+        if fast is not None:
+            return fast
         fast = fused_hamming_selection(query_codes, keys, self.code_bits, step, self.threshold_hints)
         if fast is not None:
             return fast
