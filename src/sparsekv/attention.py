@@ -209,19 +209,18 @@ def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCac
 
 
 def _fixed_step_masks(cache: SparseCache, batch: int, q_len: int) -> dict[str, torch.Tensor]:
-    """What every layer of a fixed-shape step shares, built once per step: the visible slots [B, Q, capacity]
-    (every row sees the same cached tokens: the batch is unpadded), the forced ones, the budgets and visible
-    counts [B, Q] (expanded views of one row)."""
+    """What every layer of a fixed-shape step shares, built once per step (every row sees the same cached
+    tokens: the batch is unpadded): the visible and forced slots [B, Q, capacity] and the budgets [B, Q], as
+    expanded views of one row, and how many slots hold tokens ("written", [1])."""
     shared = cache.fixed_step
     if not shared:
         config = cache.config
         visible = cache.fixed_visible  # [1, 1, capacity]
         forced = forced_tokens(visible, config.sink, config.local)
         shared.update(visible=visible, forced=forced, budgets=token_budgets(config, visible, forced),
-                      seen=visible.sum(-1))  # fmt: skip
-        shared["written"] = cache.fixed_position + 1
-    rows = (batch, q_len)
-    return {name: t if name == "written" else t.expand(*rows, *t.shape[2:]) for name, t in shared.items()}
+                      written=cache.fixed_position + 1)  # fmt: skip
+    rows = {name: shared[name].expand(batch, q_len, *shared[name].shape[2:]) for name in ("visible", "forced", "budgets")}
+    return rows | {"written": shared["written"]}
 
 
 def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, layer):
@@ -247,6 +246,9 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
                       hints)  # fmt: skip
     selection = selector.select(step)
     if cache.record_stats:
-        cache.stats.add(module.layer_idx, selection, shared["seen"])
+        rows = selection.indices.shape[:-1].numel()
+        if f"stats{rows}" not in cache.fixed_step:  # once per step (and row count)
+            cache.fixed_step[f"stats{rows}"] = cache.stats.fixed_step_stats(shared["written"], rows)
+        cache.stats.add(module.layer_idx, selection, *cache.fixed_step[f"stats{rows}"])
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -239,13 +239,20 @@ class BudgetStats:
         if self._sums is None or self._sums.device != device:
             self._sums = torch.zeros(self.num_layers, 4, dtype=torch.float64, device=device)
 
-    def add(self, layer_idx: int, selection: Selection, seen: torch.Tensor) -> None:
-        """`record` for fixed-shape steps, given each row's visible count `seen` [B, Q]: adds to the device sums,
-        in place."""
-        kept = selection.counts().double()  # [B, S, Q]
-        seen = seen[:, None].double().expand_as(kept)
-        rows = torch.full((), kept.numel(), dtype=torch.float64, device=kept.device)  # a fill: no host copy
-        self._sums[layer_idx].add_(torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), rows]))
+    def add(self, layer_idx: int, selection: Selection, per_kept: torch.Tensor, fixed: torch.Tensor) -> None:
+        """`record` for fixed-shape steps, in place on the device sums: the layer's kept tokens summed over its
+        rows, times `per_kept` ([1, 0, 1 / visible, 0]: every row of such a step sees the same tokens), plus
+        `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
+        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
+
+    @staticmethod
+    def fixed_step_stats(seen: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add`'s two vectors for a step whose every row sees `seen` tokens (a [1] tensor)."""
+        seen = seen.double().view(1)
+        zero = torch.zeros_like(seen)
+        per_kept = torch.cat([zero + 1, zero, 1 / seen.clamp(min=1), zero])
+        fixed = torch.cat([zero, seen * rows, zero, zero + rows])
+        return per_kept, fixed
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
