@@ -1,4 +1,7 @@
-"""Per-kernel CUDA time of one fixed-shape decode step (eager, under torch.profiler) at a synthetic-fill shape."""
+"""Per-kernel CUDA time of one fixed-shape decode step, eagerly under torch.profiler, at a synthetic-fill shape.
+
+Usage: python scripts/profile_fixed_step.py METHOD CONTEXT BATCH LAYERS   (llama3-8b-random, bf16, budget 2%)
+"""
 import sys
 import torch
 from sparsekv import SparseConfig
