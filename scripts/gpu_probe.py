@@ -136,15 +136,13 @@ def self_index_probe():
             print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
     old = dict(lt.LUT_TUNE)
-    lt.LUT_TUNE.update(mode="nibble")
-    ref = report("lut nibble (first version)", lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits))
-    for mode, tile, tiles, warps, table in (
-        ("pairs", 256, 8, 4, torch.float32), ("pairs", 128, 8, 4, torch.float32), ("pairs", 512, 4, 4, torch.float32),
-        ("pairs", 256, 8, 8, torch.float32), ("pairs", 256, 32, 4, torch.float32), ("pairs", 64, 16, 2, torch.float32),
-        ("pairs", 256, 8, 4, torch.float16), ("pairs_gather", 256, 8, 4, torch.float32),
+    ref = report("lut default", lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits))
+    for tile, tiles, warps, table in (
+        (256, 8, 4, torch.float32), (128, 8, 4, torch.float32), (256, 8, 8, torch.float32),
+        (256, 32, 4, torch.float32), (64, 16, 2, torch.float32), (256, 8, 4, torch.float16),
     ):  # fmt: skip
-        lt.LUT_TUNE.update(mode=mode, tile=tile, tiles=tiles, num_warps=warps, table=table)
-        report(f"lut {mode} tile {tile} x {tiles} warps {warps} {table}",
+        lt.LUT_TUNE.update(tile=tile, tiles=tiles, num_warps=warps, table=table)
+        report(f"lut tile {tile} x {tiles} warps {warps} {table}",
                lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits), ref)  # fmt: skip
     lt.LUT_TUNE.clear()
     lt.LUT_TUNE.update(old)

@@ -3,7 +3,9 @@
 Usage: python scripts/profile_fixed_step.py METHOD CONTEXT BATCH LAYERS   (llama3-8b-random, bf16, budget 2%)
 """
 import sys
+
 import torch
+
 from sparsekv import SparseConfig
 from sparsekv.api import enabled
 from sparsekv.bench.e2e import build_model, synthetic_fill

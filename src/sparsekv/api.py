@@ -27,6 +27,26 @@ class _EnabledState:
     runtime: SparseRuntime
     previous_attention: str
     hooks: list[torch.utils.hooks.RemovableHandle]
+    #: the model's forward routed through `runtime.graph` (installed while a generation runs)
+    graph_forward: object
+
+
+@contextlib.contextmanager
+def _forward_through_graphs(model, capacity: int) -> Iterator[None]:
+    """While the block runs, the enabled model's forward goes through its `GraphDecode` (`sparsekv.graph_decode`)
+    for a generation of at most `capacity` tokens; afterwards its cache decodes eagerly again."""
+    state: _EnabledState = getattr(model, _STATE_ATTR)
+    state.runtime.graph.begin(capacity)
+    own_forward = vars(model).get("forward")  # e.g. accelerate's device-placement wrapper
+    model.forward = state.graph_forward
+    try:
+        yield
+    finally:
+        if own_forward is None:
+            del model.forward
+        else:
+            model.forward = own_forward
+        state.runtime.graph.end()
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:
@@ -148,21 +168,14 @@ def enable(
     def generate_knowing_the_prompt(*args, **kwargs):
         runtime.prompt_length = _prompt_length(args, kwargs)
         runtime.generation_length = _generation_length(model, runtime.prompt_length, kwargs)
-        runtime.graph.begin(runtime.generation_length)
-        own_forward = vars(model).get("forward")  # e.g. accelerate's device-placement wrapper
-        model.forward = forward_through_graphs
         try:
-            return class_generate(model, *args, **kwargs)
+            with _forward_through_graphs(model, runtime.generation_length):
+                return class_generate(model, *args, **kwargs)
         finally:
-            if own_forward is None:
-                del model.forward
-            else:
-                model.forward = own_forward
-            runtime.graph.end()
             runtime.prompt_length, runtime.generation_length = None, 0
 
     model.generate = generate_knowing_the_prompt
-    setattr(model, _STATE_ATTR, _EnabledState(runtime, previous, hooks))
+    setattr(model, _STATE_ATTR, _EnabledState(runtime, previous, hooks, forward_through_graphs))
     return runtime
 
 
@@ -218,6 +231,8 @@ class GenerationResult:
     acceptance_rate: float | None = None
     #: lossless decoding: tokens produced per dense verification forward (accepted drafts + its own token)
     tokens_per_verification: float | None = None
+    #: decode forwards by path (`GraphDecode.steps`: CUDA graph replays, fixed-shape, or eager and why)
+    decode_paths: dict[str, int] | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -240,6 +255,7 @@ class GenerationResult:
             "cache_bytes": self.cache_bytes,
             "acceptance_rate": self.acceptance_rate,
             "tokens_per_verification": self.tokens_per_verification,
+            "decode_paths": self.decode_paths,
         }
 
 
@@ -355,6 +371,7 @@ def generate(
     do_sample: bool = False,
     temperature: float = 1.0,
     seed: int | None = None,
+    graph_decode: bool | None = None,
 ) -> GenerationResult:
     """Greedy generation of a batch of prompts (left-padded) with sparse decoding, timed and with budget stats.
 
@@ -367,6 +384,9 @@ def generate(
     them verifies, the longest agreeing prefix and the dense model's next token are kept and the rest is rolled
     back. Greedy, the output is the dense model's greedy output; sampling, the speculative-sampling rule keeps the
     dense model's distribution exactly. The stats add the drafts' acceptance rate.
+
+    graph_decode: as for `enable`: the one-token decode steps of an unpadded batch replay one CUDA graph (None: on
+    CUDA; lossless decoding always runs eagerly); `decode_paths` in the result says how each step ran.
 
     A prompt plus `max_new_tokens` longer than the model's trained context (`max_position_embeddings`) is refused
     unless `allow_longer_context`: past it most models answer nothing useful, after a long prefill.
@@ -397,10 +417,11 @@ def generate(
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
     drafted = accepted = verifications = 0
-    with enabled(model, config, prompt_filtered=True):
-        cache = SparseCache(config, layer_infos(model))
+    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode) as runtime, contextlib.ExitStack() as graphs:
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
+        capacity = input_ids.shape[1] + max_new_tokens
+        cache = SparseCache(config, layer_infos(model), initial_capacity=capacity)
         logits = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -424,6 +445,8 @@ def generate(
             generated.append(token)
             return bool(finished.all())
 
+        if not lossless:  # one-token decode steps replay a CUDA graph (lossless rolls back: it decodes eagerly)
+            graphs.enter_context(_forward_through_graphs(model, capacity))
         done = emit(sampler.draw(logits)[0])
         while not done and len(generated) < max_new_tokens:
             if not lossless:
@@ -467,6 +490,7 @@ def generate(
         cache_bytes=cache_memory(cache, capacity=False)["bytes_total"],
         acceptance_rate=accepted / drafted if lossless and drafted else None,
         tokens_per_verification=(accepted + verifications) / verifications if lossless and verifications else None,
+        decode_paths=None if lossless else dict(runtime.graph.steps),
     )
 
 

@@ -100,7 +100,12 @@ class GraphDecode:
             return "no SparseCache"
         ids = kwargs.get("input_ids")
         if args or ids is None or kwargs.get("inputs_embeds") is not None:
-            return "not called with input_ids keywords"
+            return "positional arguments or inputs_embeds"
+        other = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and k not in _STEP_TENSORS]
+        if other:  # a graph would keep reading the tensors of the step it captured
+            return f"unsupported tensor input {', '.join(sorted(other))}"
+        if kwargs.get("return_dict") is False:
+            return "return_dict=False"
         if ids.dim() != 2 or ids.shape[1] != 1:
             self.decoded = 0  # a prompt (chunk) or several tokens: the next one-token step starts afresh
             return "prompt or several tokens"

@@ -192,5 +192,67 @@ def generate(
     _write(result, output)
 
 
+@app.command()
+def throughput(
+    model: Annotated[
+        str, typer.Option(help="default (SmolLM2-135M shape) | llama3-8b-random (random weights)")
+    ] = "llama3-8b-random",
+    layers: Annotated[int | None, typer.Option(help="decoder layers (fewer than the model's)")] = None,
+    context: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 32768,
+    memory_gb: Annotated[float | None, typer.Option(
+        help="GPU memory the run may use, weights included (default: all the free memory)")] = None,
+    rows: Annotated[str, typer.Option(
+        help="comma-separated: hf-dense, dense (sparsekv's captured dense step) and methods (<method>@eager: "
+        "without CUDA graphs)")] = "hf-dense,dense,spotlight,quest,self-index",
+    budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
+    top_p: Annotated[float | None, typer.Option("--top-p", help="Twilight top-p pruning")] = None,
+    new_tokens: Annotated[int, typer.Option(help="timed decode steps")] = 32,
+    warmup: Annotated[int, typer.Option(help="decode steps before the timed ones")] = 4,
+    prefill_chunk_size: Annotated[
+        int, typer.Option(help="transformers' chunked prefill: bounds the prompt's activations per sequence")
+    ] = 1024,
+    max_batch: Annotated[int, typer.Option(help="the largest batch the search tries")] = 1024,
+    output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
+    plot: Annotated[Path | None, typer.Option(help="write a PNG of tokens/s vs batch here (matplotlib)")] = None,
+) -> None:
+    """Largest batch under a GPU memory limit, per row (found by allocating), and model.generate() tokens/s there."""
+    from sparsekv.bench.throughput import plot_throughput, run_throughput
+    from sparsekv.eval.plots import require_plots
+
+    if plot is not None:
+        require_plots()  # before the search: a missing matplotlib must not cost the run
+    names = tuple(r.strip() for r in rows.split(",") if r.strip())
+    result = run_throughput(model, layers=layers, context=context, memory_gb=memory_gb, rows=names, budget=budget,
+                            top_p=top_p, new_tokens=new_tokens, warmup=warmup,
+                            prefill_chunk_size=prefill_chunk_size, max_batch=max_batch)  # fmt: skip
+    _print_throughput(result)
+    _write(result, output)
+    if plot is not None:
+        console.print(f"wrote {plot_throughput(result, plot)}")
+
+
+def _print_throughput(result: dict) -> None:
+    from sparsekv.bench.generate import decode_path
+
+    reference = f"{result['reference_row']} at its max batch" if result["reference_row"] else "no dense row measured"
+    table = Table(
+        title=f"throughput under {result['memory_limit_bytes'] / 1e9:.1f} GB: {result['model']} ({result['layers']} "
+        f"layers) N{result['context']} budget {result['budget']} on {result['device']}; tokens/s vs {reference}"
+    )
+    columns = ("row", "max batch", "TPOT ms", "tokens/s", "vs dense", "peak GB", "decode steps")
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("row", "decode steps") else "right")
+    for r in result["rows"]:
+        if r.get("error"):
+            table.add_row(r["row"], "0", r["error"], *[""] * (len(columns) - 3))
+            continue
+        table.add_row(
+            r["row"], f"{r['max_batch']}" + ("+ (--max-batch)" if r["capped"] else ""), f"{r['tpot_ms']:.2f}",
+            f"{r['tokens_per_s']:.1f}", f"{r['vs_dense']:.2f}x" if r["vs_dense"] else "",
+            f"{r['peak_bytes'] / 1e9:.1f}" if r.get("peak_bytes") else "", decode_path(r.get("decode_paths")),
+        )  # fmt: skip
+    console.print(table)
+
+
 if __name__ == "__main__":
     app()

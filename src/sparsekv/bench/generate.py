@@ -30,7 +30,7 @@ DEFAULT_METHODS = ("dense", "spotlight", "lsh", "quest", "twilight", "double-spa
 EAGER_SUFFIX = "@eager"
 
 
-def _method_of(row: str) -> str:
+def method_of(row: str) -> str:
     return row.removesuffix(EAGER_SUFFIX)
 
 
@@ -50,10 +50,10 @@ class _TokenClock:
         pass
 
 
-def _config_for(row: str, budget: float, top_p: float | None) -> SparseConfig | None:
+def config_for(row: str, budget: float, top_p: float | None) -> SparseConfig | None:
     if row in HF_ROWS:
         return None
-    method = _method_of(row)
+    method = method_of(row)
     if method == "dense":
         return SparseConfig(method=method)
     return SparseConfig(method=method, budget=budget, top_p=top_p)
@@ -72,7 +72,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
               "do_sample": False, "streamer": clock, "prefill_chunk_size": prefill_chunk_size, "pad_token_id": 0}
     if row == "hf-static-compile":
         kwargs["cache_implementation"] = "static"
-    config = _config_for(row, budget, top_p)
+    config = config_for(row, budget, top_p)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -132,8 +132,8 @@ def run_generate(
             raise ConfigError(f"{what} must be >= {least}, got {value}")
     for row in rows:
         if row not in HF_ROWS:
-            get_method_class(_method_of(row))  # unknown names: one ConfigError listing the methods
-            _config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
+            get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
+            config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)

@@ -12,7 +12,6 @@ import triton.language as tl
 
 from sparsekv.kernels._tl_utils import pdl_enter, popcount_tl
 from sparsekv.kernels._topk_triton import (
-    HIST_MODE,
     chunking,
     digit_histogram,
     int_levels,
@@ -125,7 +124,6 @@ def _hamming_kernel(
     NBITS: tl.constexpr,
     LEVELS: tl.constexpr,
     FULL: tl.constexpr,
-    ONEHOT: tl.constexpr,
     VEC: tl.constexpr,
     USE_POPC: tl.constexpr,
     REVERSE: tl.constexpr,
@@ -235,7 +233,7 @@ def _hamming_kernel(
                 digit, ok = level_digit(key, nmask, 0, shift, NBITS, True)
                 acc = packed_add(acc, digit, ok, PACKED)
             else:
-                h += digit_histogram(key, nmask, 0, shift, NBITS, True, ONEHOT)
+                h += digit_histogram(key, nmask, 0, shift, NBITS, True)
     if HIST:
         if PACKED:
             h = packed_counts(acc, PACKED)
@@ -305,7 +303,6 @@ def _launch(query_codes, key_codes, bits, out_dtype, radix=None, *, reverse=Fals
         LEVELS=levels,
         FULL=bits == 32 * w,
         VEC=TUNE["vec"],
-        ONEHOT=HIST_MODE["mode"] == "onehot" and nbits <= 6,
         USE_POPC=key_codes.is_cuda,
         REVERSE=reverse,
         PACKED=packed_bits(nbits, max_chunk_tiles(n, block, num_chunks, bpc), True, block) if radix is not None else 0,

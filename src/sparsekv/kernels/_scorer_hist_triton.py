@@ -12,9 +12,7 @@ import triton.language as tl
 # 4-bit counters where a program has at most 15 tiles), reduced across lanes once per program; the level passes
 # use tl.histogram. tl.histogram costs about 4 warp instructions per key at 32 bins, which made the scorer
 # instruction-bound: 76 -> 62 us at 128K x B8 on the H200. In the level-2 pass the packed counters measured
-# slower (100 vs 62 us for the whole select), hence the split. HIST_MODE names that one mode (_hamming_triton
-# reads it).
-HIST_MODE = {"mode": "packed"}
+# slower (100 vs 62 us for the whole select), hence the split.
 PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles per program
 
 

@@ -19,7 +19,6 @@ import triton.language as tl
 
 # the scorer's histogram helpers live in _scorer_hist_triton; _hamming_triton imports them from here
 from sparsekv.kernels._scorer_hist_triton import (  # noqa: F401
-    HIST_MODE,
     level_digit,
     packed_add,
     packed_bits,
@@ -102,10 +101,8 @@ def digit_histogram(
     SHIFT: tl.constexpr,
     NBITS: tl.constexpr,
     FIRST: tl.constexpr,
-    ONEHOT: tl.constexpr = False,
 ):
-    """Histogram (2**NBITS bins) of digit (key >> SHIFT) of the valid keys whose higher bits equal `prefix`.
-    ONEHOT: not read (the one-hot histogram is retired; _hamming_triton still passes False)."""
+    """Histogram (2**NBITS bins) of digit (key >> SHIFT) of the valid keys whose higher bits equal `prefix`."""
     digit = ((key >> SHIFT) & ((1 << NBITS) - 1)).to(tl.int32)
     ok = nmask
     if not FIRST:

@@ -530,9 +530,9 @@ class SpotlightSelector(TokenSelector):
         group = self.layer.group_size if step.gqa == "group" else 1
         value_range = (0, group * self.code_bits)
         scores = self.score(step)
-        if step.hints is not None and step.hints.fixed:
-            if (fixed := fixed_int_topk_selection(scores, step, value_range)) is not None:
-                return fixed
+        fixed = step.hints is not None and step.hints.fixed
+        if fixed and (selection := fixed_int_topk_selection(scores, step, value_range)) is not None:
+            return selection
         return hamming_topk(scores, step, value_range=value_range)
 
 
