@@ -14,7 +14,8 @@ from sparsekv import ConfigError, SparseConfig
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.models import random_model
 
-FIXED_SHAPE_METHODS = [("dense", None), ("oracle-topk", 0.05), ("spotlight", 0.05), ("lsh", 0.05)]
+FIXED_SHAPE_METHODS = [("dense", None), ("oracle-topk", 0.05), ("spotlight", 0.05), ("lsh", 0.05), ("quest", 0.05),
+                       ("double-sparsity", 0.05)]  # fmt: skip
 STEPS = 64
 
 
@@ -77,9 +78,9 @@ def test_padded_batches_and_methods_without_a_fixed_step_decode_eagerly(real_mod
         model.generate(**batch, max_new_tokens=4, do_sample=False)
         assert runtime.graph.steps.get("eager: the batch is padded") == 3
     ids = batch.input_ids[1:]
-    with sparsekv.enabled(model, _config("quest", 0.2), graph_decode=True) as runtime:
+    with sparsekv.enabled(model, _config("h2o", 0.2), graph_decode=True) as runtime:
         model.generate(ids, max_new_tokens=4, do_sample=False)
-        assert runtime.graph.steps.get("eager: quest has no fixed-shape decode step") == 2
+        assert runtime.graph.steps.get("eager: h2o has no fixed-shape decode step") == 2
 
 
 def test_graph_decode_must_be_a_bool_or_none(real_model):
@@ -100,3 +101,92 @@ def test_cuda_graph_replays_equal_eager(method, budget):
     assert torch.equal(graphed, eager)
     eager_stats, graph_stats = eager_cache.stats.summary(), graph_cache.stats.summary()
     assert graph_stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
+
+
+def _to_meta(selector) -> None:
+    for name, value in vars(selector).items():
+        if isinstance(value, torch.Tensor):
+            setattr(selector, name, value.to("meta"))
+
+
+@pytest.mark.parametrize("method,options", [("quest", {"page_size": 4}), ("quest", {"page_size": 16}),
+                                            ("double-sparsity", {"precision": "int8"}),
+                                            ("double-sparsity", {"precision": "fp8"}),
+                                            ("double-sparsity", {"precision": "bf16"})])  # fmt: skip
+@pytest.mark.parametrize("gqa", ["group", "head"])
+def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value(method, options, gqa):
+    """The selector alone, on random keys: each fixed-shape step keeps the ordinary step's tokens, and the step
+    runs on meta tensors too, which fail on any host read of a device value (what CUDA graph capture forbids)."""
+    import copy
+
+    from sparsekv.attention import forced_tokens, token_budgets
+    from sparsekv.registry import get_method_class
+    from sparsekv.selectors.base import DecodeStep, LayerInfo, StepHints, host_budget
+
+    config = SparseConfig(method=method, budget=0.2, sink=2, local=3, gqa=gqa, options=options)
+    layer = LayerInfo(2, 4, num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25)
+    cls = get_method_class(method)
+    eager, fixed = cls(config=config, layer=layer, **options), cls(config=config, layer=layer, **options)
+    generator = torch.Generator().manual_seed(0)
+    batch, prompt, total, capacity = 2, 37, 70, 75
+    keys = torch.randn(batch, 2, total, 16, generator=generator)
+    queries = torch.randn(batch, 4, total, 16, generator=generator)
+    for selector in (eager, fixed):
+        selector.prefill(keys[..., :prompt, :], keys[..., :prompt, :], queries[..., :prompt, :])
+
+    def ordinary_step(n):
+        visible = torch.ones(batch, 1, n, dtype=torch.bool)
+        forced = forced_tokens(visible, config.sink, config.local)
+        hints = StepHints(max_budget=host_budget(config, n), uniform=False, sink=config.sink, local=config.local)
+        return DecodeStep(queries[..., n - 1 : n, :], keys[..., :n, :], keys[..., :n, :], visible, forced,
+                          token_budgets(config, visible, forced), layer, gqa, hints)  # fmt: skip
+
+    def fixed_step(n, buffer, device="cpu"):
+        visible = (torch.arange(capacity) < n).expand(batch, 1, capacity)
+        forced = forced_tokens(visible, config.sink, config.local)
+        budgets = token_budgets(config, visible, forced)
+        hints = StepHints(max_budget=host_budget(config, capacity), uniform=False, sink=config.sink,
+                          local=config.local, fixed=True, min_budget=host_budget(config, prompt + 2),
+                          written=torch.full((1,), n, device=device))  # fmt: skip
+        on = lambda t: t.to(device)
+        return DecodeStep(on(queries[..., n - 1 : n, :]), on(buffer), on(buffer), on(visible), on(forced),
+                          on(budgets), layer, gqa, hints)  # fmt: skip
+
+    fixed.select(ordinary_step(prompt + 1))  # the first decode step completes the state
+    eager.select(ordinary_step(prompt + 1))
+    fixed.begin_fixed_shape(capacity)
+    buffer = torch.zeros(batch, 2, capacity, 16)
+    buffer[..., : prompt + 1, :] = keys[..., : prompt + 1, :]
+    for n in range(prompt + 2, total + 1):
+        buffer[..., n - 1, :] = keys[..., n - 1, :]
+        if n == total:  # the last step once more on meta tensors: any host read of a device value fails there
+            meta = copy.deepcopy(fixed)
+            _to_meta(meta)
+            meta.append_fixed_shape(keys[..., n - 1 : n, :].to("meta"), keys[..., n - 1 : n, :].to("meta"),
+                                    torch.full((1,), n - 1, device="meta"))  # fmt: skip
+            assert meta.select(fixed_step(n, buffer, "meta")).indices.is_meta
+        position = torch.full((1,), n - 1)
+        fixed.append_fixed_shape(keys[..., n - 1 : n, :], keys[..., n - 1 : n, :], position)
+        got = fixed.select(fixed_step(n, buffer)).to_mask(capacity)
+        want = eager.select(ordinary_step(n)).to_mask(n)
+        assert not got[..., n:].any()
+        assert torch.equal(got[..., :n], want), n
+    fixed.end_fixed_shape(total)
+    # back to ordinary steps: the state carries over
+    more = ordinary_step(total)
+    assert torch.equal(fixed.select(more).to_mask(total), eager.select(more).to_mask(total))
+
+
+def test_sparsekv_generate_decodes_through_the_same_path(real_model):
+    model, tokenizer = real_model
+    text = "Write a long story about a lighthouse keeper and a storm. " * 20
+    config = _config("spotlight", 0.05)
+    eager = sparsekv.generate(model, tokenizer, [text], config, max_new_tokens=16, graph_decode=False)
+    fixed = sparsekv.generate(model, tokenizer, [text], config, max_new_tokens=16, graph_decode=True)
+    assert fixed.new_token_ids == eager.new_token_ids
+    assert fixed.avg_budget_tokens == pytest.approx(eager.avg_budget_tokens)
+    steps = sum(fixed.decode_paths.values())  # the decode steps after the prefill's token
+    assert steps == len(fixed.new_token_ids[0]) - 1 and fixed.decode_paths["fixed-shape"] == steps - 1
+    assert eager.decode_paths == {"eager: graph_decode=False": steps}
+    lossless = sparsekv.generate(model, tokenizer, [text], config, max_new_tokens=4, lossless=True)
+    assert lossless.decode_paths is None  # rollbacks: lossless decoding runs eagerly

@@ -409,6 +409,12 @@ class SparseCache(Cache):
             layer.end_fixed_shape()
         self.fixed_position = self.fixed_visible = self.fixed_slots = None
 
+    def crop(self, tokens_to_remove: int) -> None:
+        # a rollback (assisted generation, prompt lookup, lossless decoding) is eager bookkeeping: the next decode
+        # step starts fixed shapes again
+        self.end_fixed_shape()
+        super().crop(tokens_to_remove)
+
     def tokens_past_prompt(self, layer: SparseLayer) -> int:
         """Tokens of the forward in flight that lie past the prompt's end (0 unless its length is known)."""
         return 0 if self.prompt_length is None else max(0, layer.length - self.prompt_length)

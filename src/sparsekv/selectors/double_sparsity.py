@@ -152,12 +152,20 @@ def calibrate_channels(model, segments: list[torch.Tensor], progress=None) -> to
 # --- the selector
 
 
+def _write_slot(buffer: torch.Tensor, position: torch.Tensor, values: torch.Tensor) -> None:
+    """buffer[:, :, position] = values for a device position [1] (no host read)."""
+    if buffer.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel: copy the bytes
+        buffer, values = buffer.view(torch.uint8), values.view(torch.uint8)
+    buffer.index_copy_(2, position, values)
+
+
 @dataclass
 class DoubleSparsitySelector(TokenSelector):
     """Options: channels_file (from `sparsekv calibrate-ds`; without it each sequence calibrates on its own
     prompt), channels (label channels per kv-head, default head_dim/8), precision of the label cache."""
 
     name = "double-sparsity"
+    fixed_shape = True
     channels_file: str | None = None
     channels: int | None = None
     precision: str = "int8"
@@ -229,6 +237,30 @@ class DoubleSparsitySelector(TokenSelector):
     def crop(self, length: int) -> None:
         self.built = min(self.built, length)  # labels are per token; the calibrated channels stay
 
+    def begin_fixed_shape(self, capacity: int) -> None:
+        # the channels and labels exist: a fixed-shape step always follows at least one ordinary decode step
+        if self.labels.shape[2] < capacity:
+            self._grow(capacity)
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        index = self.selected[:, :, None, :].expand(keys.shape[0], -1, keys.shape[2], -1)
+        labels, scale = quantize_labels(keys.gather(-1, index), self.precision)
+        _write_slot(self.labels, position, labels)
+        if scale is not None:
+            _write_slot(self.scales, position, scale)
+
+    def end_fixed_shape(self, length: int) -> None:
+        self.built = length
+
+    def _grow(self, capacity: int) -> None:
+        """Room for `capacity` tokens' labels, the first `built` kept."""
+        labels, scales = self.labels, self.scales
+        self.labels = labels.new_zeros(*labels.shape[:2], capacity, labels.shape[-1])
+        self.labels[:, :, : self.built] = labels[:, :, : self.built]
+        if scales is not None:
+            self.scales = scales.new_ones(*scales.shape[:2], capacity, 1)
+            self.scales[:, :, : self.built] = scales[:, :, : self.built]
+
     def _sync(self, step: DecodeStep) -> None:
         keys = step.keys
         if self.selected is None:
@@ -241,15 +273,11 @@ class DoubleSparsitySelector(TokenSelector):
         new = keys[..., self.built :, :]
         index = self.selected[:, :, None, :].expand(new.shape[0], -1, new.shape[2], -1)
         labels, scale = quantize_labels(new.gather(-1, index), self.precision)
-        if self.labels is None or n > self.labels.shape[2]:
-            capacity = max(n, 2 * self.built)
-            grown = labels.new_zeros(*labels.shape[:2], capacity, labels.shape[-1])
-            grown_scale = None if scale is None else scale.new_ones(*scale.shape[:2], capacity, 1)
-            if self.labels is not None:
-                grown[:, :, : self.built] = self.labels[:, :, : self.built]
-                if scale is not None:
-                    grown_scale[:, :, : self.built] = self.scales[:, :, : self.built]
-            self.labels, self.scales = grown, grown_scale
+        if self.labels is None:
+            self.labels = labels.new_zeros(*labels.shape[:2], 0, labels.shape[-1])
+            self.scales = None if scale is None else scale.new_ones(*scale.shape[:2], 0, 1)
+        if n > self.labels.shape[2]:
+            self._grow(max(n, 2 * self.built))
         self.labels[:, :, self.built : n] = labels
         if scale is not None:
             self.scales[:, :, self.built : n] = scale
@@ -257,7 +285,8 @@ class DoubleSparsitySelector(TokenSelector):
 
     def score(self, step: DecodeStep) -> torch.Tensor:
         """[B, Hq, Q, N] approximate q·k on the label channels."""
-        self._sync(step)
+        if step.hints is None or not step.hints.fixed:
+            self._sync(step)  # a fixed-shape step's labels are already written (`append_fixed_shape`)
         n = step.keys.shape[-2]
         batch, heads, q_len, _ = step.query.shape
         kv_heads, group = self.layer.num_kv_heads, self.layer.group_size

@@ -39,6 +39,7 @@ class QuestSelector(TokenSelector):
     padding does not shift them (batch invariance)."""
 
     name = "quest"
+    fixed_shape = True
     page_size: int = 16
 
     @classmethod
@@ -72,6 +73,33 @@ class QuestSelector(TokenSelector):
         self.page_min.masked_fill_(stale[:, None, :, None], float("inf"))
         self.built = int((self.start + page * self.page_size).min())
 
+    def begin_fixed_shape(self, capacity: int) -> None:
+        # the pages and `start` exist: a fixed-shape step always follows at least one ordinary decode step
+        pages = (capacity - 1) // self.page_size + 1
+        if pages > self.page_max.shape[2]:
+            self._grow(pages)
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        # the batch is unpadded, so the position lies past every row's start
+        page = (position - self.start) // self.page_size  # [B]
+        batch, heads, _, dim = keys.shape
+        index = page[:, None, None, None].expand(batch, heads, 1, dim)
+        new = keys.to(self.page_max.dtype)
+        self.page_max.scatter_reduce_(2, index, new, "amax")
+        self.page_min.scatter_reduce_(2, index, new, "amin")
+
+    def end_fixed_shape(self, length: int) -> None:
+        self.built = length
+
+    def _grow(self, pages: int) -> None:
+        """Room for `pages` pages; the new ones hold no token yet (max -inf, min inf)."""
+        old_max, old_min = self.page_max, self.page_min
+        shape = (*old_max.shape[:2], pages, old_max.shape[3])
+        self.page_max = old_max.new_full(shape, float("-inf"))
+        self.page_min = old_min.new_full(shape, float("inf"))
+        self.page_max[:, :, : old_max.shape[2]] = old_max
+        self.page_min[:, :, : old_min.shape[2]] = old_min
+
     def _sync(self, step: DecodeStep) -> None:
         keys = step.keys
         n = keys.shape[-2]
@@ -85,16 +113,12 @@ class QuestSelector(TokenSelector):
         pad = (rel < 0)[:, None, :, None]
         page = rel.clamp(min=0) // self.page_size
         pages = int(page.max()) + 1
-        if self.page_max is None or pages > self.page_max.shape[2]:
-            capacity = max(pages, 2 * (0 if self.page_max is None else self.page_max.shape[2]))
+        if self.page_max is None:
             dtype = torch.promote_types(keys.dtype, torch.float32)
-            grown_max = keys.new_full((batch, heads, capacity, dim), float("-inf"), dtype=dtype)
-            grown_min = keys.new_full((batch, heads, capacity, dim), float("inf"), dtype=dtype)
-            if self.page_max is not None:
-                old = self.page_max.shape[2]
-                grown_max[:, :, :old] = self.page_max
-                grown_min[:, :, :old] = self.page_min
-            self.page_max, self.page_min = grown_max, grown_min
+            self.page_max = keys.new_full((batch, heads, 0, dim), float("-inf"), dtype=dtype)
+            self.page_min = keys.new_full((batch, heads, 0, dim), float("inf"), dtype=dtype)
+        if pages > self.page_max.shape[2]:
+            self._grow(max(pages, 2 * self.page_max.shape[2]))
         new = keys[..., self.built :, :].to(self.page_max.dtype)
         index = page[:, None, :, None].expand(batch, heads, -1, dim)
         self.page_max.scatter_reduce_(2, index, new.masked_fill(pad, float("-inf")), "amax")
@@ -103,14 +127,23 @@ class QuestSelector(TokenSelector):
 
     def score(self, step: DecodeStep) -> torch.Tensor:
         """[B, S, Q, N] ranking keys (higher = keep): own page (recent first), then pages best-first."""
-        self._sync(step)
+        fixed = step.hints is not None and step.hints.fixed
+        if not fixed:
+            self._sync(step)  # a fixed-shape step's token is already in its page (`append_fixed_shape`)
         n, q_len, size = step.keys.shape[-2], step.query.shape[2], self.page_size
         rel = torch.arange(n, device=step.keys.device)[None, :] - self.start[:, None]  # [B, N]
         token_page, offset = rel.clamp(min=0) // size, rel.clamp(min=0) % size
-        pages = int(token_page.max()) + 1
+        if fixed:
+            # every page of the buffer, and the query's page from the device count: no host read. The query's page
+            # and the later (unwritten) ones rank below every earlier page, so the earlier pages keep their order
+            # (their ranks shift by a constant) and the kept set is the ordinary step's
+            pages = (n - 1) // size + 1
+            query_page = (step.hints.written - 1 - self.start[:, None]) // size  # [B, Q = 1]
+        else:
+            pages = int(token_page.max()) + 1
+            query_page = token_page[:, n - q_len :]  # [B, Q]
         scores = page_scores(step.query, self.page_max[:, :, :pages], self.page_min[:, :, :pages])
         scores = to_selection_heads(scores, step)  # [B, S, Q, P]
-        query_page = token_page[:, n - q_len :]  # [B, Q]
         earlier = torch.arange(pages, device=scores.device)[None, None, :] < query_page[:, :, None]
         # pages after the query's own are not yet visible; ranks put them (and invalid pages) last
         ranks = unique_ranks(scores.masked_fill(~earlier[:, None], float("-inf")))
