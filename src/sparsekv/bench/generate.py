@@ -147,10 +147,7 @@ def run_generate(
                                   prefill_chunk_size=prefill_chunk_size)  # fmt: skip
             results.append(timed | {"round": round_index})
     return {
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
+        **run_environment(dev),
         "model": model,
         "layers": net.config.num_hidden_layers,
         "context": context,
@@ -174,6 +171,16 @@ def decode_path(paths: dict | None) -> str:
     reasons = ", ".join(k for k in eager if k not in ("prompt or several tokens", "first decode step"))
     steps = sum(paths.values()) - paths.get("eager: prompt or several tokens", 0)
     return f"graph {graph}/{steps}" + (f" ({reasons})" if reasons else "")
+
+
+def run_environment(device: torch.device) -> dict:
+    """What a benchmark's JSON records about where and when it ran."""
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
 
 
 def summarize(results: list[dict]) -> list[dict]:

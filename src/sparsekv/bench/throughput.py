@@ -25,14 +25,13 @@ an injected one; a real run needs a CUDA device (a CPU has no allocation limit t
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from sparsekv.bench.generate import HF_ROWS, config_for, method_of, time_generate
+from sparsekv.bench.generate import HF_ROWS, config_for, method_of, run_environment, time_generate
 from sparsekv.config import ConfigError
 
 #: the rows that keep every token: the reference each method's tokens/s is compared with
@@ -232,10 +231,7 @@ def run_throughput(
         del net, measure
         _free_memory()
     return {
-        "device": torch.cuda.get_device_name(device),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
+        **run_environment(device),
         "model": model,
         "layers": meta.config.num_hidden_layers,
         "context": context,
