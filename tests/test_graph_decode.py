@@ -190,3 +190,12 @@ def test_sparsekv_generate_decodes_through_the_same_path(real_model):
     assert eager.decode_paths == {"eager: graph_decode=False": steps}
     lossless = sparsekv.generate(model, tokenizer, [text], config, max_new_tokens=4, lossless=True)
     assert lossless.decode_paths is None  # rollbacks: lossless decoding runs eagerly
+
+
+def test_sliding_window_models_decode_eagerly():
+    """A sliding-window layer must not see past its window: models with such layers (Gemma 3) keep eager steps."""
+    model = random_model("tiny-gemma3", dtype=torch.float32)
+    ids = torch.randint(3, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
+    eager, _, _ = _generate(model, ids, _config("oracle-topk", 0.2), graph_decode=False, steps=8, pad_token_id=0)
+    tokens, steps, _ = _generate(model, ids, _config("oracle-topk", 0.2), graph_decode=True, steps=8, pad_token_id=0)
+    assert steps.get("eager: sliding-window layers") == 6 and torch.equal(tokens, eager)

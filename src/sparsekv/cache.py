@@ -364,6 +364,9 @@ class SparseCache(Cache):
         """Why this cache cannot decode with fixed shapes up to `capacity` tokens (None: it can)."""
         if self.attend_densely:
             return "verification forwards attend densely"
+        if any(info.sliding for info in self.infos):
+            # the fixed-shape step attends over every written slot: a window would need its own mask
+            return "sliding-window layers"
         for layer in self.layers:
             if (layer.selector is not None and layer.prompt_open) or layer._key_buffer is None:
                 return "the prompt has not been cached"
