@@ -6,9 +6,12 @@ SparseCache holds its key/value head and selects for it. Greedy tokens must equa
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import socket
+import subprocess
+import sys
 import traceback
 
 import pytest
@@ -21,7 +24,7 @@ from sparsekv import SparseConfig
 from sparsekv.attention import RUNTIME_ATTR
 from sparsekv.cache import layer_infos
 from sparsekv.config import ConfigError
-from sparsekv.models import random_model
+from sparsekv.models import load_tensor_parallel, random_model
 
 WORLD = 2
 TIMEOUT_S = 90  # the whole 2-rank run takes a few seconds; a hung collective must fail CI, not stall it
@@ -48,22 +51,8 @@ def _decode(model) -> dict:
             with sparsekv.enabled(model, config) as runtime:
                 tokens = model.generate(PROMPT, **args)[0].tolist()
                 heads = layer_infos(model)[1].num_kv_heads
-                out[name] = (tokens, runtime.cache.stats.summary(), heads)
+                out[name] = (tokens, runtime.cache.stats.summary(), heads, runtime.cache.stats.layer_sums())
     return out
-
-
-def _load_tensor_parallel(model_dir: str):
-    """`from_pretrained(model_dir, tp_plan="auto")` over the initialised process group's ranks."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        from transformers.distributed import DistributedConfig
-    except ImportError:  # releases before DistributedConfig take tp_plan directly
-        return AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32).eval()
-    config = DistributedConfig(tp_plan="auto")
-    return AutoModelForCausalLM.from_pretrained(
-        model_dir, distributed_config=config, dtype=torch.float32
-    ).eval()
 
 
 def _rank(rank: int, port: int, model_dir: str, results) -> None:
@@ -77,7 +66,7 @@ def _rank(rank: int, port: int, model_dir: str, results) -> None:
         )
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        model = _load_tensor_parallel(model_dir)
+        model = load_tensor_parallel(model_dir, torch.float32)
         assert model.tp_size == WORLD
         results.put((rank, _decode(model)))
         dist.destroy_process_group()
@@ -128,12 +117,14 @@ def test_tensor_parallel_matches_single_process(model_dir):
     for rank, out in got.items():
         assert out["dense"] == single["dense"], rank
         for name in CONFIGS:
-            tokens, stats, heads = out[name]
+            tokens, stats, heads, sums = out[name]
             assert heads == 1, (rank, name)  # this rank's shard: one of the two key/value heads
             assert tokens == single[name][0], (rank, name)
             # decode steps ran sparse in layer 1 only (layer 0 is dense), keeping ~30% of the context
             assert list(stats["per_layer_avg_tokens"]) == [1], (rank, name)
             assert stats["avg_budget_fraction"] < 0.5, (rank, name, stats)
+            # every rank reports the whole model's stats (its heads' rows summed with the other rank's)
+            torch.testing.assert_close(sums, single[name][3], msg=f"rank {rank} {name}")
     # the sparse methods did change the answer somewhere, so the comparison above is not dense vs dense
     assert any(single[name][0] != single["dense"] for name in CONFIGS)
 
@@ -161,15 +152,42 @@ def test_heads_not_dividing_by_tp_size_are_refused():
     assert not any(hasattr(m, RUNTIME_ATTR) for m in model.modules())  # refused before touching the model
 
 
+def _bench_generate(tmp_path, *launch: str, tp: int = 2) -> subprocess.CompletedProcess:
+    args = ["-m", "sparsekv.cli", "bench", "generate", "--model", "tiny-llama", "--layers", "3", "--context", "48",
+            "--batch", "2", "--rows", "hf-dense,dense,oracle-topk", "--budget", "0.2", "--new-tokens", "3",
+            "--warmup", "1", "--tp", str(tp), "--output", str(tmp_path / "generate.json")]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the random checkpoint the ranks load goes there
+    return subprocess.run([*launch, *args], capture_output=True, text=True, timeout=300, env=env, check=False)
+
+
+def test_bench_generate_tensor_parallel(tmp_path):
+    """`torchrun --nproc-per-node 2 -m sparsekv.cli bench generate --tp 2`: every row through model.generate() on
+    a tensor-parallel model; rank 0 writes the table, with the stats of both ranks' heads."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    result = _bench_generate(tmp_path, *launch)
+    assert result.returncode == 0, result.stderr[-3000:]
+    payload = json.loads((tmp_path / "generate.json").read_text())
+    assert payload["tp"] == 2 and payload["rank"] == 0
+    rows = {r["row"]: r for r in payload["summary"]}
+    assert set(rows) == {"hf-dense", "dense", "oracle-topk"} and all(r["tpot_ms"] > 0 for r in rows.values())
+    assert rows["oracle-topk"]["sparse_layers"] == [2]
+    assert 0 < rows["oracle-topk"]["avg_budget_tokens"] < 0.5 * rows["oracle-topk"]["avg_context_tokens"]
+
+
+def test_bench_generate_tensor_parallel_needs_torchrun(tmp_path):
+    result = _bench_generate(tmp_path, sys.executable)
+    assert result.returncode != 0
+    assert "launch it as `torchrun --nproc-per-node 2" in " ".join((result.stdout + result.stderr).split())
+    assert "Traceback" not in result.stderr
+
+
 if __name__ == "__main__":
     # the same comparison on accelerators: save a model dir (e.g. `python tests/test_distributed.py save DIR`), then
     # `torchrun --nproc-per-node 2 tests/test_distributed.py DIR` (NCCL on GPUs: transformers picks the backend)
-    import sys
-
     if sys.argv[1] == "save":
         random_model("tiny-llama", dtype=torch.float32, seed=0).save_pretrained(sys.argv[2])
         sys.exit(0)
-    model = _load_tensor_parallel(sys.argv[1])
+    model = load_tensor_parallel(sys.argv[1], torch.float32)
     PROMPT = PROMPT.to(model.device)
     out = _decode(model)
     gathered = [None] * dist.get_world_size()

@@ -50,6 +50,7 @@ def layer_infos(model) -> list[LayerInfo]:
             head_dim=head_dim,
             scaling=head_dim**-0.5,
             sliding=layer_types[i] == "sliding_attention",
+            shards=tp,
         )
         for i in range(config.num_hidden_layers)
     ]
@@ -214,10 +215,14 @@ class BudgetStats:
     until the counts are read (no host sync inside the decode step, so a step can be captured in a CUDA graph).
     Fixed-shape steps (a CUDA graph replays them without running Python) add to per-layer sums on the device
     instead: `summary` covers both kinds of record, `layer_counts` only the per-row ones.
+
+    Under tensor parallelism (`shards` > 1) each rank records its own heads' rows; `layer_sums` and `summary` add
+    up every rank's (a collective: every rank of the process group must call them).
     """
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, shards: int = 1) -> None:
         self.num_layers = num_layers
+        self.shards = shards
         self._kept: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._seen: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
@@ -285,6 +290,8 @@ class BudgetStats:
         for i in range(self.num_layers):
             kept, seen = (t.double() for t in self.layer_counts(i))
             sums[i] += torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), torch.tensor(kept.numel())])
+        if self.shards > 1 and torch.distributed.is_initialized():
+            sums = _sum_over_ranks(sums)
         return sums
 
     def summary(self) -> dict:
@@ -305,6 +312,15 @@ class BudgetStats:
             "avg_budget_fraction": float(total[2] / total[3]),
             "per_layer_avg_tokens": {i: float(sums[i, 0] / rows[i]) for i in range(self.num_layers) if rows[i] > 0},
         }
+
+
+def _sum_over_ranks(sums: torch.Tensor) -> torch.Tensor:
+    """`sums` added up over the process group's ranks (on the rank's GPU where the backend is NCCL)."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else sums.device
+    total = sums.to(device)
+    torch.distributed.all_reduce(total)
+    return total.cpu()
 
 
 class SparseCache(Cache):
@@ -342,7 +358,7 @@ class SparseCache(Cache):
         #: every later forward attends densely too (still extending the selectors' state): the verification
         #: forwards of lossless decoding
         self.attend_densely = False
-        self.stats = BudgetStats(len(infos))
+        self.stats = BudgetStats(len(infos), shards=infos[0].shards if infos else 1)
         #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
         self.record_stats = True
         #: fixed-shape decoding (`begin_fixed_shape`): the step's write position [1] and which of the buffer's

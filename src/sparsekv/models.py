@@ -29,6 +29,7 @@ __all__ = [
     "chat_prompt",
     "default_model_dir",
     "load_model",
+    "load_tensor_parallel",
     "random_model",
     "torch_dtype",
 ]
@@ -361,3 +362,17 @@ def random_model(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     return model.eval()
+
+
+def load_tensor_parallel(model_dir: str | Path, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+    """`model_dir` loaded with transformers' own tensor parallelism (`tp_plan="auto"`) over the ranks of the
+    process group (launched with torchrun): each rank holds its shard of every layer's heads. transformers
+    initialises the process group where none is (NCCL on GPUs, gloo on CPU)."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:  # releases before DistributedConfig take tp_plan directly
+        return AutoModelForCausalLM.from_pretrained(model_dir, tp_plan="auto", dtype=dtype, attn_implementation="sdpa").eval()
+    config = DistributedConfig(tp_plan="auto")
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, distributed_config=config, dtype=dtype, attn_implementation="sdpa"
+    ).eval()

@@ -159,18 +159,27 @@ def generate(
         int | None, typer.Option(help="transformers' chunked prefill (every row)")
     ] = None,
     rounds: Annotated[int, typer.Option(help="all rows again, in turn (best round reported)")] = 1,
+    tp: Annotated[int, typer.Option(
+        help="tensor parallelism over this many GPUs (launch with torchrun --nproc-per-node TP); rank 0 reports")] = 1,
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Decode TPOT through model.generate(): HF dense, HF static cache + compile and each method, one process."""
+    import torch.distributed as dist
+
     from sparsekv.bench.generate import decode_path, run_generate
 
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
                           top_p=top_p, new_tokens=new_tokens, warmup=warmup,
-                          prefill_chunk_size=prefill_chunk_size, rounds=rounds)  # fmt: skip
+                          prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp)  # fmt: skip
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        if result["rank"] != 0:
+            return
+    parallel = f" TP={tp} ({tp} x {result['device']})" if tp > 1 else f" on {result['device']}"
     table = Table(
-        title=f"model.generate(): {model} ({result['layers']} layers) N{context} B{batch} budget {budget} on "
-        f"{result['device']}, transformers {result['transformers']}"
+        title=f"model.generate(): {model} ({result['layers']} layers) N{context} B{batch} budget {budget}{parallel}, "
+        f"transformers {result['transformers']}"
     )
     columns = ("row", "TPOT ms", "tokens/s", "vs HF best dense", "vs captured dense", "tokens attended", "prefill s",
                "peak GB", "decode steps")  # fmt: skip

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import torch
 
 from sparsekv.config import ConfigError
@@ -46,10 +50,50 @@ def _available_bytes(device: torch.device) -> int | None:
     return None
 
 
+def tensor_parallel_model(name: str, *, layers: int | None, tp: int, dtype=torch.bfloat16, seed: int = 0):
+    """`build_model`'s model loaded with transformers' tensor parallelism over `tp` ranks, one process per GPU
+    (launched with torchrun): rank 0 saves the random weights once (a safetensors checkpoint in the temporary
+    directory, reused by later runs), then every rank loads its shard with `tp_plan="auto"`, as a user's checkpoint
+    would be loaded."""
+    import torch.distributed as dist
+
+    from sparsekv.cache import layer_infos
+    from sparsekv.models import load_tensor_parallel
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp:
+        raise ConfigError(
+            f"--tp {tp} runs one process per GPU: launch it as `torchrun --nproc-per-node {tp} -m sparsekv.cli "
+            f"bench generate --tp {tp} ...` (this run has {world} process{'es' if world > 1 else ''})"
+        )
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < tp:
+        raise ConfigError(f"--tp {tp} needs {tp} GPUs; this machine has {torch.cuda.device_count()}")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    directory = Path(tempfile.gettempdir()) / f"sparsekv-random-{name}-{layers or 'all'}L-{dtype_name}-seed{seed}"
+    if dist.get_rank() == 0 and not (directory / "config.json").exists():
+        partial = directory.with_name(directory.name + ".partial")
+        build_model(name, layers=layers, dtype=dtype, device=device, seed=seed).save_pretrained(partial)
+        partial.rename(directory)  # whole or absent: an interrupted save is not reused
+        if cuda:
+            torch.cuda.empty_cache()
+    dist.barrier()
+    model = load_tensor_parallel(directory, dtype)
+    layer_infos(model)  # heads that do not divide by tp: one clear error, not a reshape error deep in the forward
+    return model
+
+
 def check_fits(name: str, *, layers: int | None, dtype: torch.dtype, device: torch.device, batch: int,
-               context: int) -> None:  # fmt: skip
+               context: int, shards: int = 1) -> None:  # fmt: skip
     """Refuse, before allocating, a model whose weights and dense KV cache exceed the device's free memory: an 8B
-    model in float32 on a laptop would otherwise end in the out-of-memory killer, not in an error message."""
+    model in float32 on a laptop would otherwise end in the out-of-memory killer, not in an error message. Under
+    tensor parallelism each of the `shards` GPUs holds about 1/shards of both."""
     available = _available_bytes(device)
     if available is None:
         return
@@ -59,11 +103,13 @@ def check_fits(name: str, *, layers: int | None, dtype: torch.dtype, device: tor
     weights = sum(p.numel() for p in meta.parameters()) * size
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = 2 * cfg.num_hidden_layers * batch * context * cfg.num_key_value_heads * head_dim * size
+    weights, cache = weights / shards, cache / shards
     if weights + cache > available:
         raise ConfigError(
             f"{name} with {cfg.num_hidden_layers} layers needs about {weights / 1e9:.1f} GB of weights and "
             f"{cache / 1e9:.1f} GB of dense KV cache ({str(dtype).replace('torch.', '')}) for context {context} x "
-            f"batch {batch}, but {device.type} has {available / 1e9:.1f} GB free: use a smaller --model (e.g. "
+            f"batch {batch}{f' per GPU over {shards}' if shards > 1 else ''}, but {device.type} has "
+            f"{available / 1e9:.1f} GB free: use a smaller --model (e.g. "
             f"default), fewer --layers, a shorter --context or --batch, or a GPU"
         )
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import os
 import time
 
 import torch
@@ -121,13 +122,19 @@ def run_generate(
     rounds: int = 1,
     seed: int = 0,
     device: str | None = None,
+    tp: int = 1,
 ) -> dict:
-    """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn."""
+    """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
+
+    tp > 1: the model is loaded with transformers' tensor parallelism over `tp` GPUs, one process each (launched
+    with torchrun; `tensor_parallel_model`); every rank runs every row on the same prompts and reports its own
+    times, the caches' stats are summed over the ranks."""
     from sparsekv.bench.e2e import build_model, check_fits
+    from sparsekv.bench.e2e_model import tensor_parallel_model
     from sparsekv.registry import get_method_class
 
     for what, value, least in (("context", context, 2), ("batch", batch, 1), ("new_tokens", new_tokens, 1),
-                               ("warmup", warmup, 0), ("rounds", rounds, 1)):  # fmt: skip
+                               ("warmup", warmup, 0), ("rounds", rounds, 1), ("tp", tp, 1)):  # fmt: skip
         if value < least:
             raise ConfigError(f"{what} must be >= {least}, got {value}")
     for row in rows:
@@ -136,8 +143,14 @@ def run_generate(
             config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
-    net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
+    if tp > 1:
+        if dev.type == "cuda":  # this rank's GPU
+            dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context, shards=tp)
+        net = tensor_parallel_model(model, layers=layers, tp=tp, dtype=dtype, seed=seed)
+    else:
+        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
+        net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
     results: list[dict] = []
@@ -149,6 +162,8 @@ def run_generate(
     return {
         **run_environment(dev),
         "model": model,
+        "tp": tp,
+        "rank": torch.distributed.get_rank() if tp > 1 else 0,
         "layers": net.config.num_hidden_layers,
         "context": context,
         "batch": batch,

@@ -37,6 +37,8 @@ class LayerInfo:
     scaling: float
     #: the layer attends within a sliding window (hybrid models such as Gemma 3): it keeps its native attention
     sliding: bool = False
+    #: tensor parallelism: the heads above are this rank's share, one of `shards` equal ones
+    shards: int = 1
 
     @property
     def group_size(self) -> int:
