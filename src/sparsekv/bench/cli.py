@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -35,6 +36,11 @@ def _print(result: dict, title: str) -> None:
             f"{r.get('pct_copy', 0):.0f}",
         )
     console.print(table)
+
+
+def _progress(line: str) -> None:
+    """A long benchmark's way, on stderr (the table and JSON stay clean)."""
+    Console(stderr=True).print(f"[dim]{line}[/dim]")
 
 
 def _write(result: dict, output: Path | None) -> None:
@@ -169,9 +175,11 @@ def generate(
     from sparsekv.bench.generate import decode_path, run_generate
 
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
+    rank = int(os.environ.get("RANK", "0"))
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
                           top_p=top_p, new_tokens=new_tokens, warmup=warmup,
-                          prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp)  # fmt: skip
+                          prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp,
+                          progress=_progress if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
         dist.destroy_process_group()
         if result["rank"] != 0:

@@ -123,12 +123,15 @@ def run_generate(
     seed: int = 0,
     device: str | None = None,
     tp: int = 1,
+    progress=None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
 
     tp > 1: the model is loaded with transformers' tensor parallelism over `tp` GPUs, one process each (launched
     with torchrun; `tensor_parallel_model`); every rank runs every row on the same prompts and reports its own
-    times, the caches' stats are summed over the ranks."""
+    times, the caches' stats are summed over the ranks.
+
+    progress: called with a line of text as the model is ready and as each row ends (a long run shows its way)."""
     from sparsekv.bench.e2e import build_model, check_fits
     from sparsekv.bench.e2e_model import tensor_parallel_model
     from sparsekv.registry import get_method_class
@@ -143,6 +146,7 @@ def run_generate(
             config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    started = time.perf_counter()
     if tp > 1:
         if dev.type == "cuda":  # this rank's GPU
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -151,6 +155,8 @@ def run_generate(
     else:
         check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
         net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
+    say = progress or (lambda _line: None)
+    say(f"model ready: {net.config.num_hidden_layers} layers, tp {tp} ({time.perf_counter() - started:.0f} s)")
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
     results: list[dict] = []
@@ -159,6 +165,8 @@ def run_generate(
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
                                   prefill_chunk_size=prefill_chunk_size)  # fmt: skip
             results.append(timed | {"round": round_index})
+            done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
+            say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
     return {
         **run_environment(dev),
         "model": model,
