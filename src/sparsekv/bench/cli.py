@@ -241,7 +241,8 @@ def throughput(
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     result = run_throughput(model, layers=layers, context=context, memory_gb=memory_gb, rows=names, budget=budget,
                             top_p=top_p, new_tokens=new_tokens, warmup=warmup,
-                            prefill_chunk_size=prefill_chunk_size, max_batch=max_batch)  # fmt: skip
+                            prefill_chunk_size=prefill_chunk_size, max_batch=max_batch,
+                            progress=_progress)  # fmt: skip
     _print_throughput(result)
     _write(result, output)
     if plot is not None:

@@ -162,9 +162,10 @@ def _out_of_memory(message: str) -> bool:
     return "OutOfMemoryError" in message or "out of memory" in message.lower()
 
 
-def gpu_measure(net, *, context: int, seed: int, **timing) -> Measure:
+def gpu_measure(net, *, context: int, seed: int, progress=None, **timing) -> Measure:
     """The real measuring function: `time_generate` of a batch of random prompts; a capture that ran out of memory
-    (graph_decode then decodes eagerly) is reported as not fitting. Memory is freed after every try."""
+    (graph_decode then decodes eagerly) is reported as not fitting. Memory is freed after every try. `progress`
+    is told each try's outcome in a line."""
 
     def measure(row: str, batch: int) -> dict:
         ids = None
@@ -180,6 +181,9 @@ def gpu_measure(net, *, context: int, seed: int, **timing) -> Measure:
         if capture:
             result = {"row": row, "error": f"out of memory capturing the CUDA graph ({capture[0]})"}
         _free_memory()
+        if progress is not None:
+            outcome = result["error"] if "error" in result else f"{result['tokens_per_s']:.0f} tokens/s"
+            progress(f"{row} batch {batch}: {outcome}")
         return result
 
     return measure
@@ -199,8 +203,10 @@ def run_throughput(
     prefill_chunk_size: int = 1024,
     max_batch: int = 1024,
     seed: int = 0,
+    progress=None,
 ) -> dict:
-    """Every row's largest batch under the memory limit and its decode speed there (see the module's docstring)."""
+    """Every row's largest batch under the memory limit and its decode speed there (see the module's docstring);
+    `progress` is told each try's outcome in a line."""
     from sparsekv.bench.e2e import build_model
 
     for what, value, least in (("context", context, 2), ("new_tokens", new_tokens, 1), ("warmup", warmup, 0),
@@ -225,8 +231,8 @@ def run_throughput(
                           f"--layers")  # fmt: skip
     with memory_limit(device, limit):
         net = build_model(model, layers=layers, dtype=torch.bfloat16, device=device, seed=seed)
-        measure = gpu_measure(net, context=context, seed=seed, budget=budget, top_p=top_p, new_tokens=new_tokens,
-                              warmup=warmup, prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+        measure = gpu_measure(net, context=context, seed=seed, progress=progress, budget=budget, top_p=top_p,
+                              new_tokens=new_tokens, warmup=warmup, prefill_chunk_size=prefill_chunk_size)  # fmt: skip
         found = throughput_search(rows, measure, max_batch)
         del net, measure
         _free_memory()
