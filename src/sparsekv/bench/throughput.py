@@ -222,7 +222,7 @@ def run_throughput(
     if not torch.cuda.is_available():
         message = "bench throughput measures GPU memory: it needs a CUDA device, and this machine has none"
         raise ConfigError(message)
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # an index: the memory limit is per device
     free, total = torch.cuda.mem_get_info(device)
     limit = memory_limit_bytes(memory_gb, total, free)
     if weights >= limit:
