@@ -51,19 +51,38 @@ def sparse_attention(
     *,
     tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dispatch: the split-K Triton kernel on CUDA (any Q, GQA through S), else the reference.
+    """The op `sparsekv::sparse_attention`: the split-K Triton kernel on CUDA (any Q, GQA through S), the
+    reference elsewhere.
 
     tickets: int32 [B * S * Q] zeros, owned by the caller and zero again after each call (e.g. a selector's
     `RowBuffer`): the split-K kernel then merges each row's partial outputs in the row's last program, one launch
     fewer. One call at a time per buffer (the counters are shared state)."""
-    from sparsekv.kernels._triton import use_triton
-
     if tickets is not None:
         rows = indices.shape[0] * indices.shape[1] * indices.shape[2]
         if tickets.dtype != torch.int32 or tickets.numel() < rows or not tickets.is_contiguous():
             raise ValueError(f"tickets must be a contiguous int32 tensor of at least {rows} zeros")
         if tickets.device != query.device:
             raise ValueError(f"tickets are on {tickets.device}, the query on {query.device}")
+    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets)
+
+
+@torch.library.custom_op("sparsekv::sparse_attention", mutates_args=("tickets",))
+def _sparse_attention_op(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor | None,
+    scaling: float,
+    tickets: torch.Tensor | None,
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling)
+
+
+@_sparse_attention_op.register_kernel("cuda")
+def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets):
+    from sparsekv.kernels._triton import use_triton
 
     if (
         use_triton(query, keys, values, indices)
@@ -75,3 +94,8 @@ def sparse_attention(
 
         return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets)
     return sparse_attention_reference(query, keys, values, indices, valid, scaling)
+
+
+@_sparse_attention_op.register_fake
+def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets):
+    return torch.empty_like(query)
