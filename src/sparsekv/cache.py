@@ -384,12 +384,13 @@ class SparseCache(Cache):
             # the fixed-shape step attends over every written slot: a window would need its own mask
             return "sliding-window layers"
         for layer in self.layers:
-            if (layer.selector is not None and layer.prompt_open) or layer._key_buffer is None:
-                return "the prompt has not been cached"
+            # the method first: a compressing selector (self-index) keeps no plain K/V buffer, which is not the reason
             if layer.selector is not None and not layer.selector.fixed_shape:
                 return f"{layer.selector.name} has no fixed-shape decode step"
             if layer.pruner is not None:
                 return "the top-p pruner has no fixed-shape decode step"
+            if (layer.selector is not None and layer.prompt_open) or layer._key_buffer is None:
+                return "the prompt has not been cached"
         if capacity <= self.layers[0].length:
             return f"no room: {self.layers[0].length} tokens cached, capacity {capacity}"
         return None
