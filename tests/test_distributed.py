@@ -43,7 +43,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _decode(model) -> dict:
-    """Dense greedy tokens, then each config's sparse greedy tokens and budget stats."""
+    """Dense greedy tokens, then each config's sparse greedy tokens and budget stats (plain Python values: a tensor
+    sent through a multiprocessing queue is shared memory that vanishes when its rank exits)."""
     args = {"max_new_tokens": NEW_TOKENS, "do_sample": False}
     with torch.inference_mode():
         out = {"dense": model.generate(PROMPT, **args)[0].tolist()}
@@ -51,7 +52,8 @@ def _decode(model) -> dict:
             with sparsekv.enabled(model, config) as runtime:
                 tokens = model.generate(PROMPT, **args)[0].tolist()
                 heads = layer_infos(model)[1].num_kv_heads
-                out[name] = (tokens, runtime.cache.stats.summary(), heads, runtime.cache.stats.layer_sums())
+                sums = runtime.cache.stats.layer_sums().tolist()
+                out[name] = (tokens, runtime.cache.stats.summary(), heads, sums)
     return out
 
 
@@ -124,7 +126,7 @@ def test_tensor_parallel_matches_single_process(model_dir):
             assert list(stats["per_layer_avg_tokens"]) == [1], (rank, name)
             assert stats["avg_budget_fraction"] < 0.5, (rank, name, stats)
             # every rank reports the whole model's stats (its heads' rows summed with the other rank's)
-            torch.testing.assert_close(sums, single[name][3], msg=f"rank {rank} {name}")
+            torch.testing.assert_close(torch.tensor(sums), torch.tensor(single[name][3]), msg=f"rank {rank} {name}")
     # the sparse methods did change the answer somewhere, so the comparison above is not dense vs dense
     assert any(single[name][0] != single["dense"] for name in CONFIGS)
 
