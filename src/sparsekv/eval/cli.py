@@ -393,7 +393,10 @@ def compare(
     stale_ok: Annotated[bool, typer.Option(
         "--stale-ok", help="with --only-cached: accept cells computed with an older method file/checkpoint")] = False,
 ) -> None:
-    """One task over methods x budgets: a markdown table and a budget-quality plot."""
+    """One task over methods x budgets: a markdown table and a budget-quality plot.
+
+    Under `torchrun --nproc-per-node N` the cells are split over the N processes (one GPU each with --device cuda)
+    and merged: the same result as one process."""
     from sparsekv.eval import compare as cmp
 
     method_list = [m.strip() for m in methods.split(",") if m.strip()]
@@ -405,17 +408,25 @@ def compare(
         from sparsekv.eval.plots import require_plots
 
         require_plots()  # before the run, not after it
-    runner, settings_note = _task_runner(task, model, device, dtype, cache, text_file,
-                                         context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
-                                         samples, prompts_file, seed)  # fmt: skip
-    result = cmp.run_compare(task, runner, method_list, budget_list, base=base, options=parse_options(option),
-                             quiet=quiet)  # fmt: skip
+    options = parse_options(option)
+    from sparsekv.eval.distributed import data_parallel
+
+    # under torchrun: cell i on rank i % world, the result merged on every rank; rank 0 reports
+    with data_parallel(device) as (shard, rank_device):
+        runner, settings_note = _task_runner(task, model, rank_device, dtype, cache, text_file,
+                                             context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
+                                             samples, prompts_file, seed)  # fmt: skip
+        result = cmp.run_compare(task, runner, method_list, budget_list, base=base, options=options,
+                                 quiet=quiet or not shard.is_main, shard=shard)  # fmt: skip
+        stale = sum(shard.gather(cache.stale))
+    if not shard.is_main:
+        return
     table = cmp.markdown_table(result)
     console.print(table, markup=False, highlight=False, soft_wrap=True)
-    if cache.stale:
-        console.print(f"{cache.stale} cell(s) were computed with an older version of their method", style="yellow")
+    if stale:
+        console.print(f"{stale} cell(s) were computed with an older version of their method", style="yellow")
     payload = {**result.to_dict(), "model": model, "settings": settings_note, "markdown": table,
-               "stale_cells": cache.stale}  # fmt: skip
+               "stale_cells": stale}  # fmt: skip
     md = plot_path(markdown, output, ".md")
     if md is not None:
         md.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,9 @@
 Methods that are not registered in this build are listed as missing; a method that fails on a cell (bad option,
 missing checkpoint...) is reported with its error and the run goes on. Dense-type methods run once: their value
 fills every budget column. Each cell is cached like the single-task commands, so a rerun only computes what changed.
+
+Under torchrun (`shard`: see eval.distributed) cell i of the comparison runs on rank i % world; every cell is computed
+on its own (its own config, data and seeds), so the merged rows and runs, in the cells' order, equal one process's.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import CellNotCached, Progress, describe
+from sparsekv.eval.distributed import SINGLE, Shard
 from sparsekv.registry import available_methods, get_method_class, method_options
 
 NOT_COMPUTED = "not computed yet"
@@ -79,8 +83,11 @@ def run_compare(
     base: dict | None = None,
     options: dict | None = None,
     quiet: bool = True,
+    shard: Shard = SINGLE,
 ) -> CompareResult:
-    """`run_task(config) -> payload` runs one cell (cached by the task itself)."""
+    """`run_task(config) -> payload` runs one cell (cached by the task itself). With a `shard` of several ranks
+    (a collective: every rank calls it with the same arguments) each rank runs its own cells and every rank gets
+    the whole result, merged in the cells' order."""
     if task not in TASK_SPECS:
         raise ConfigError(f"compare supports tasks {', '.join(TASK_SPECS)}, got {task!r}")
     if not methods or not budgets:
@@ -99,9 +106,13 @@ def run_compare(
     for method in present:
         dense = bool(get_method_class(method).dense)
         jobs.extend([(method, None)] if dense else [(method, b) for b in budgets])
-    with Progress(len(jobs), f"compare {task}", quiet=quiet) as progress:
-        for method, budget in jobs:
+    mine = [i for i in range(len(jobs)) if shard.owns(i)]
+    done: dict[int, tuple[dict, dict | None]] = {}  # cell index -> (row, payload or None)
+    with Progress(len(mine), f"compare {task}", quiet=quiet) as progress:
+        for i in mine:
+            method, budget = jobs[i]
             row = {"method": method, "budget": budget, "value": None, "avg_budget_tokens": None, "error": None}
+            payload = None
             try:
                 config = method_config(method, budgets[0] if budget is None else budget, base, shared, scoped)
                 progress.label(describe(config))
@@ -109,15 +120,23 @@ def run_compare(
                 row["value"] = payload.get(spec.metric)
                 row["avg_budget_tokens"] = payload.get("avg_budget_tokens")
                 row["avg_budget_fraction"] = payload.get("avg_budget_fraction")
-                result.payloads.append(payload)
             except CellNotCached:
                 row["error"] = NOT_COMPUTED
             except Exception as error:  # noqa: BLE001 - one failing method must not end the comparison
+                payload = None
                 row["error"] = f"{type(error).__name__}: {error}".splitlines()[0][:300]
                 if not isinstance(error, ConfigError):
                     row["traceback"] = traceback.format_exc(limit=6)
-            result.rows.append(row)
+            done[i] = (row, payload)
             progress.advance(f"{method}: {row['value'] if row['error'] is None else 'error'}")
+    if shard.world > 1:
+        for part in shard.gather(done):
+            done.update(part)
+    for i in range(len(jobs)):  # the cells' order, whichever rank ran them
+        row, payload = done[i]
+        result.rows.append(row)
+        if payload is not None:
+            result.payloads.append(payload)
     return result
 
 
