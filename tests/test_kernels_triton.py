@@ -17,12 +17,11 @@ if importlib.util.find_spec("triton") is None:
 
 from sparsekv.kernels.hamming import hamming_scores_reference
 from sparsekv.kernels.sparse_attention import sparse_attention_reference
+from sparsekv.kernels.topk import select_topk_reference
 from tests.helpers import RUN_HERE, here, run_under_interpreter
 from tests.test_kernels_reference import assert_topk_set
 
 DEV = "cuda" if CUDA else "cpu"
-
-
 
 
 @pytest.mark.skipif(RUN_HERE, reason="kernels run directly in this process")
@@ -239,12 +238,44 @@ def test_hamming_topk_threshold_hint(impl, n, k, sink, local, bits, hq, hkv, tie
 
 
 @here
+@pytest.mark.parametrize(
+    "n,k,length,sink,local,bits,hq,hkv",
+    [
+        (301, 17, 211, 0, 0, 128, 8, 2),
+        (300, 40, 300, 2, 3, 64, 4, 1),
+        (129, 60, 40, 1, 1, 96, 3, 3),  # more picks than written slots: empty ones come in, the most recent first
+    ],
+)
+def test_hamming_topk_fixed_triton(impl, n, k, length, sink, local, bits, hq, hkv):
+    """The fused fixed-shape select returns the reference's set and ranking scores (empty slots 0, keys 1 + their
+    score, forced ones the top; equal scores to the more recent slot)."""
+    from sparsekv.kernels.hamming import hamming_topk_fixed_reference
+
+    gen = torch.Generator().manual_seed(n + length)
+    w = (bits + 31) // 32
+    qc, kc = _codes((2, hq, 1, w), gen), _codes((2, hkv, n, w), gen)
+    kc[:, :, n // 2 :] = kc[:, :, : n - n // 2]  # repeated codes: many equal scores
+    written = torch.tensor([length])
+    got, got_scores = impl["_hamming_triton"].hamming_topk_fixed_triton(
+        qc, kc, k, written.to(DEV), bits=bits, sink=sink, local=local
+    )
+    ref, ref_scores = hamming_topk_fixed_reference(qc.cpu(), kc.cpu(), k, written, bits=bits, sink=sink, local=local)
+    got, order = got.cpu().sort(-1)
+    ref, ref_order = ref.sort(-1)
+    assert torch.equal(got, ref)
+    assert got_scores.dtype == ref_scores.dtype
+    assert torch.equal(got_scores.cpu().gather(-1, order), ref_scores.gather(-1, ref_order))
+
+
+@here
 @pytest.mark.parametrize("n,k,lo", [(301, 17, 0), (1234, 200, -50)])
 def test_select_topk_int_triton(impl, n, k, lo):
     gen = torch.Generator().manual_seed(n)
     scores = torch.randint(lo, lo + 60, (2, 3, 1, n), generator=gen, dtype=torch.int32).to(DEV)
     idx = impl["_topk_triton"].select_topk_int(scores, k, lo, lo + 59)
     assert_topk_set(scores.cpu(), idx.cpu(), k)
+    # the reference's rule among equal scores (the lower position) is the kernel's
+    assert torch.equal(idx.cpu().sort(-1).values, select_topk_reference(scores.cpu(), k).sort(-1).values)
 
 
 @here
@@ -564,3 +595,66 @@ def test_self_index_decode_step_on_kernels_equals_torch_path(options, monkeypatc
     assert torch.equal(picked.to_mask(n), reference.to_mask(n))
     tol = 1e-4 if os.environ.get("TRITON_INTERPRET") == "1" else 2e-3  # the GPU's attention dots are 3xTF32
     torch.testing.assert_close(fast, sel.attend(step, reference, 0.125), rtol=tol, atol=tol)
+
+
+#: ops that return a set of indices (in no particular order): compared as sorted sets
+SET_OPS = ("hamming_topk", "select_topk")
+
+
+def _cuda_implementation(name: str):
+    """What `torch.ops.sparsekv.<name>` runs on a CUDA tensor: the op's "cuda" kernel (on CPU tensors under the
+    interpreter, where dispatch would pick the reference)."""
+    from torch._library.custom_ops import OPDEFS
+
+    return OPDEFS[f"sparsekv::{name}"]._backend_fns["cuda"]
+
+
+def _fresh(args, device):
+    return [a.clone().to(device) if isinstance(a, torch.Tensor) else a for a in args]
+
+
+def _assert_same(name, got, want):
+    if isinstance(want, (tuple, list)):
+        if name == "hamming_topk_fixed":  # (indices, scores): the same (index, score) pairs
+            order_got, order_want = got[0].sort(-1), want[0].sort(-1)
+            assert torch.equal(order_got.values, order_want.values)
+            assert torch.equal(got[1].gather(-1, order_got.indices), want[1].gather(-1, order_want.indices))
+            assert got[1].dtype == want[1].dtype
+            return
+        for g, w in zip(got, want, strict=True):
+            _assert_same(name, g, w)
+        return
+    got = got.cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype, (got.shape, want.shape, got.dtype, want.dtype)
+    if name in SET_OPS:
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    elif want.dtype == torch.bool:  # top-p: a weight at the threshold may round to either side
+        assert int((got != want).sum()) <= 2
+    elif want.is_floating_point():
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+    else:
+        assert torch.equal(got, want)
+
+
+@here
+@pytest.mark.parametrize("name", ["sparse_attention", "hamming_scores", "hamming_topk", "hamming_topk_fixed",
+                                  "select_topk", "top_p_threshold", "sign_hash", "sign_hash_pair", "int4_qk",
+                                  "quest_page_scores", "lut_scores", "compressed_key_scores",
+                                  "compressed_attention"])  # fmt: skip
+def test_cuda_implementation_of_every_op_equals_its_reference(name):
+    """Each op's CUDA implementation — the Triton kernel behind its launch conditions, what a GPU runs — against
+    the op's CPU implementation, the reference, on the registration samples of tests/test_custom_ops.py (the tensors
+    an op mutates compared too)."""
+    from tests.test_custom_ops import SAMPLES, import_kernel_modules
+
+    import_kernel_modules()
+    op = getattr(torch.ops.sparsekv, name)
+    for args in SAMPLES[name]():
+        want_args = _fresh(args, "cpu")
+        want = op(*want_args)
+        got_args = _fresh(args, DEV)
+        got = op(*got_args) if CUDA else _cuda_implementation(name)(*got_args)
+        _assert_same(name, got, want)
+        for g, w in zip(got_args, want_args):  # mutated arguments: written alike (tickets return to zero)
+            if isinstance(w, torch.Tensor) and name != "hamming_topk":  # its threshold hint is the kernel's own
+                _assert_same(name, g, w)

@@ -1,10 +1,14 @@
-"""Hot ops of the sparse decode step. Each module exposes one public function with a plain-PyTorch reference
-`<op>_reference` of the same signature; on CUDA (with triton installed) the public function runs a Triton
-kernel, elsewhere the reference. SPARSEKV_DISABLE_TRITON=1 forces the references.
+"""Hot ops of the sparse decode step. Each is a PyTorch custom op `sparsekv::<op>` (torch.library): its CPU
+implementation is the plain-PyTorch reference `<op>_reference`, its CUDA implementation the Triton kernel (behind
+the shape conditions the kernel supports), its fake implementation the output's shape for torch.compile. The public
+function of each module checks its arguments and calls the op. SPARSEKV_DISABLE_TRITON=1 forces the references.
 
     bits.pack_sign_bits(x[..., D]) -> int32[..., ceil(D/32)]           bits.popcount32(int32) -> int32
     hamming.hamming_scores(qc[B,Hq,Q,W], kc[B,Hkv,N,W], *, bits) -> int32[B,Hkv,Q,N]   (matching bits, GQA-summed)
-    hamming.hamming_topk(qc, kc, k, *, bits) -> int64[B,Hkv,Q,k]        (fused score + sort-free top-k)
+    hamming.hamming_topk(qc, kc, k, *, bits, recent_first, sink, local, threshold_hint) -> int64[B,Hkv,Q,k]
+        (fused score + sort-free top-k; threshold_hint: each row's last threshold, a speed hint the kernel updates)
+    hamming.hamming_topk_fixed(qc, kc, k, written, *, bits, sink, local) -> (int64[B,Hkv,Q,k], scores)
+        (fixed-shape steps: slots from the device count `written` on are empty and rank below every key)
     topk.select_topk(scores[B,S,Q,N], k, *, value_range=None) -> int64[B,S,Q,k]   (set semantics)
     top_p.top_p_threshold(weights[R,K], valid[R,K], p) -> bool[R,K]
     int4_qk.quantize_int4(keys) -> (packed u8, scale, zero);  int4_qk.int4_qk(q, packed, scale, zero, idx) -> fp32

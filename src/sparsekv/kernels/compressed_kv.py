@@ -8,7 +8,7 @@ exact formulas); the references here gather and dequantize with those torch func
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -88,13 +88,65 @@ def compressed_key_scores_reference(
 def compressed_key_scores(
     query: torch.Tensor, kv: CompressedKV, index: torch.Tensor, tail_from: torch.Tensor
 ) -> torch.Tensor:
+    """The op `sparsekv::compressed_key_scores` (see the reference for shapes): the Triton kernel on CUDA, the
+    reference elsewhere. The op takes the view's fields, not the view: an op's arguments are tensors and scalars."""
+    return _compressed_key_scores_op(query, index, tail_from, *_fields_of(kv))
+
+
+def _fields_of(kv: CompressedKV) -> tuple:
+    """The view's fields in declaration order (`CompressedKV(*fields)` rebuilds it; no copies, unlike astuple)."""
+    return tuple(getattr(kv, field.name) for field in fields(CompressedKV))
+
+
+@torch.library.custom_op("sparsekv::compressed_key_scores", mutates_args=())
+def _compressed_key_scores_op(
+    query: torch.Tensor,
+    index: torch.Tensor,
+    tail_from: torch.Tensor,
+    sign_bits: torch.Tensor,
+    k_mag: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor | None,
+    v: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    mu: torch.Tensor,
+    alpha: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    midrise: bool,
+    k_scale_tokens: int,
+    k_scale_offset: int,
+    sink_positions: torch.Tensor | None,
+    sink_keys: torch.Tensor | None,
+    sink_values: torch.Tensor | None,
+    tail_keys: torch.Tensor | None,
+    tail_values: torch.Tensor | None,
+    tail_first: int,
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    kv = CompressedKV(
+        sign_bits, k_mag, k_scale, k_zero, v, v_scale, v_zero, mu, alpha, k_bits, v_bits, midrise, k_scale_tokens,
+        k_scale_offset, sink_positions, sink_keys, sink_values, tail_keys, tail_values, tail_first,
+    )  # fmt: skip
+    return compressed_key_scores_reference(query, kv, index, tail_from)
+
+
+@_compressed_key_scores_op.register_kernel("cuda")
+def _compressed_key_scores_cuda(query, index, tail_from, *kv_fields):
     from sparsekv.kernels._triton import kernel, use_triton
 
+    kv = CompressedKV(*kv_fields)
     if use_triton(query, kv.sign_bits, index) and index.shape[-1] > 0:
         impl = kernel("_compressed_kv_triton", "compressed_key_scores_triton")
         if impl is not None:
             return impl(query, kv, index, tail_from)
     return compressed_key_scores_reference(query, kv, index, tail_from)
+
+
+@_compressed_key_scores_op.register_fake
+def _compressed_key_scores_fake(query, index, tail_from, *kv_fields):
+    return query.new_empty(index.shape, dtype=torch.float32)
 
 
 def _with_copies(rows, kv: CompressedKV, index, tail_from, copy_name: str, tail_name: str):
@@ -145,10 +197,59 @@ def compressed_attention(
     scaling: float,
     tail_from: torch.Tensor,
 ) -> torch.Tensor:
+    """The op `sparsekv::compressed_attention` (see the reference for shapes): the split-K Triton kernel on CUDA,
+    the reference elsewhere. The op takes the view's fields (see `compressed_key_scores`)."""
+    return _compressed_attention_op(query, indices, valid, float(scaling), tail_from, *_fields_of(kv))
+
+
+@torch.library.custom_op("sparsekv::compressed_attention", mutates_args=())
+def _compressed_attention_op(
+    query: torch.Tensor,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    tail_from: torch.Tensor,
+    sign_bits: torch.Tensor,
+    k_mag: torch.Tensor,
+    k_scale: torch.Tensor,
+    k_zero: torch.Tensor | None,
+    v: torch.Tensor,
+    v_scale: torch.Tensor,
+    v_zero: torch.Tensor,
+    mu: torch.Tensor,
+    alpha: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    midrise: bool,
+    k_scale_tokens: int,
+    k_scale_offset: int,
+    sink_positions: torch.Tensor | None,
+    sink_keys: torch.Tensor | None,
+    sink_values: torch.Tensor | None,
+    tail_keys: torch.Tensor | None,
+    tail_values: torch.Tensor | None,
+    tail_first: int,
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    kv = CompressedKV(
+        sign_bits, k_mag, k_scale, k_zero, v, v_scale, v_zero, mu, alpha, k_bits, v_bits, midrise, k_scale_tokens,
+        k_scale_offset, sink_positions, sink_keys, sink_values, tail_keys, tail_values, tail_first,
+    )  # fmt: skip
+    return compressed_attention_reference(query, kv, indices, valid, scaling, tail_from)
+
+
+@_compressed_attention_op.register_kernel("cuda")
+def _compressed_attention_cuda(query, indices, valid, scaling, tail_from, *kv_fields):
     from sparsekv.kernels._triton import kernel, use_triton
 
+    kv = CompressedKV(*kv_fields)
     if use_triton(query, kv.sign_bits, indices) and indices.shape[-1] > 0 and query.shape[-1] <= 256:
         impl = kernel("_compressed_kv_triton", "compressed_attention_triton")
         if impl is not None:
             return impl(query, kv, indices, valid, scaling, tail_from)
     return compressed_attention_reference(query, kv, indices, valid, scaling, tail_from)
+
+
+@_compressed_attention_op.register_fake
+def _compressed_attention_fake(query, indices, valid, scaling, tail_from, *kv_fields):
+    return torch.empty_like(query)

@@ -7,10 +7,14 @@ import torch
 from sparsekv.kernels.bits import check_code_shapes, popcount32
 
 
-def _word_masks(words: int, bits: int, device: torch.device) -> torch.Tensor:
-    """int32 [words]: the valid bits of each word (padding bits beyond `bits` never count as matches)."""
+def _check_bits(words: int, bits: int) -> None:
     if not 0 < bits <= 32 * words:
         raise ValueError(f"bits={bits} does not fit in {words} int32 words")
+
+
+def _word_masks(words: int, bits: int, device: torch.device) -> torch.Tensor:
+    """int32 [words]: the valid bits of each word (padding bits beyond `bits` never count as matches)."""
+    _check_bits(words, bits)
     masks = []
     for w in range(words):
         n = min(32, bits - 32 * w)
@@ -60,16 +64,36 @@ def hamming_scores_matmul(query_codes: torch.Tensor, key_codes: torch.Tensor, *,
 
 
 def hamming_scores(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
-    """Matching bits per (kv head, query, key), summed over the GQA group: [B, Hkv, Q, N] int32."""
+    """Matching bits per (kv head, query, key), summed over the GQA group: [B, Hkv, Q, N] int32.
+
+    The op `sparsekv::hamming_scores`: the Triton scorer on CUDA, the sign matmul on CPU, the reference elsewhere."""
+    check_code_shapes(query_codes, key_codes)
+    _check_bits(query_codes.shape[-1], bits)
+    return _hamming_scores_op(query_codes, key_codes, int(bits))
+
+
+@torch.library.custom_op("sparsekv::hamming_scores", mutates_args=())
+def _hamming_scores_op(query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    if query_codes.device.type == "cpu":
+        return hamming_scores_matmul(query_codes, key_codes, bits=bits)
+    return hamming_scores_reference(query_codes, key_codes, bits=bits)
+
+
+@_hamming_scores_op.register_kernel("cuda")
+def _hamming_scores_cuda(query_codes, key_codes, bits):
     from sparsekv.kernels._triton import use_triton
 
     if use_triton(query_codes, key_codes):
         from sparsekv.kernels._hamming_triton import hamming_scores_triton
 
         return hamming_scores_triton(query_codes, key_codes, bits=bits)
-    if query_codes.device.type == "cpu":
-        return hamming_scores_matmul(query_codes, key_codes, bits=bits)
     return hamming_scores_reference(query_codes, key_codes, bits=bits)
+
+
+@_hamming_scores_op.register_fake
+def _hamming_scores_fake(query_codes, key_codes, bits):
+    b, _, q, _ = query_codes.shape
+    return query_codes.new_empty(b, key_codes.shape[1], q, key_codes.shape[2], dtype=torch.int32)
 
 
 def hamming_topk_reference(
@@ -103,23 +127,169 @@ def hamming_topk(
     recent_first: bool = False,
     sink: int = 0,
     local: int = 0,
+    threshold_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indices [B, Hkv, Q, min(k, N)] int64 (unordered) of the k keys with the most matching bits per kv head.
 
     Equal scores go to the lower position (`recent_first`: the higher one); the first `sink` and the last `local`
-    keys are always in (sink + local <= k). On CUDA scoring and the histogram pass are one kernel (int16 scores),
-    then threshold + compaction: no sort.
-    """
-    from sparsekv.kernels._triton import use_triton
+    keys are always in (sink + local <= k). The op `sparsekv::hamming_topk`: on CUDA scoring and the histogram pass
+    are one kernel (int16 scores), then threshold + compaction, no sort; the reference elsewhere.
 
+    threshold_hint: int32 [B * Hkv * Q] contiguous, on the codes' device, each row's threshold score of the
+    previous call (any contents are valid; zeros at first). The CUDA kernel reads it to skip a radix pass and
+    writes the new thresholds; the result never depends on it.
+    """
     if sink < 0 or local < 0 or sink + local > k:
         raise ValueError(f"sink ({sink}) + local ({local}) must be non-negative and fit in k ({k})")
+    check_code_shapes(query_codes, key_codes)
+    _check_bits(query_codes.shape[-1], bits)
+    if threshold_hint is not None:
+        rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
+        if (
+            threshold_hint.dtype != torch.int32
+            or threshold_hint.shape != (rows,)
+            or not threshold_hint.is_contiguous()
+            or threshold_hint.device != key_codes.device
+        ):
+            raise ValueError(
+                f"threshold_hint must be a contiguous int32 tensor [{rows}] on {key_codes.device}"
+            )
+    return _hamming_topk_op(
+        query_codes, key_codes, int(k), int(bits), bool(recent_first), int(sink), int(local), threshold_hint
+    )
+
+
+@torch.library.custom_op("sparsekv::hamming_topk", mutates_args=("threshold_hint",))
+def _hamming_topk_op(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    bits: int,
+    recent_first: bool,
+    sink: int,
+    local: int,
+    threshold_hint: torch.Tensor | None,
+) -> torch.Tensor:
+    return hamming_topk_reference(
+        query_codes, key_codes, k, bits=bits, recent_first=recent_first, sink=sink, local=local
+    )
+
+
+@_hamming_topk_op.register_kernel("cuda")
+def _hamming_topk_cuda(query_codes, key_codes, k, bits, recent_first, sink, local, threshold_hint):
+    from sparsekv.kernels._triton import use_triton
+
     if use_triton(query_codes, key_codes) and 0 < k < key_codes.shape[2]:
         from sparsekv.kernels._hamming_triton import hamming_topk_triton
 
         return hamming_topk_triton(
-            query_codes, key_codes, int(k), bits=bits, recent_first=recent_first, sink=sink, local=local
-        )
+            query_codes, key_codes, k, bits=bits, recent_first=recent_first, sink=sink, local=local,
+            threshold_hint=threshold_hint,
+        )  # fmt: skip
     return hamming_topk_reference(
         query_codes, key_codes, k, bits=bits, recent_first=recent_first, sink=sink, local=local
+    )
+
+
+@_hamming_topk_op.register_fake
+def _hamming_topk_fake(query_codes, key_codes, k, bits, recent_first, sink, local, threshold_hint):
+    b, _, q, _ = query_codes.shape
+    hkv, n = key_codes.shape[1], key_codes.shape[2]
+    return query_codes.new_empty(b, hkv, q, torch.sym_min(k, n), dtype=torch.int64)
+
+
+def fixed_score_dtype(group: int, bits: int) -> torch.dtype:
+    """dtype of `hamming_topk_fixed`'s ranking scores (0 .. group * bits + 2): the fused kernel's score dtype,
+    int16 where it holds them."""
+    return torch.int16 if group * bits + 2 < 2**15 else torch.int32
+
+
+def hamming_topk_fixed_reference(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    written: torch.Tensor,
+    *,
+    bits: int,
+    sink: int = 0,
+    local: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact rule of `hamming_topk_fixed`. Each slot's ranking score: the first `sink` slots and the last
+    `local` written ones g * bits + 2, the other written slots 1 + their group-summed matching bits, the slots
+    at or beyond `written` 0. The min(k, N) best slots, equal scores to the higher (more recent) position."""
+    _, g = check_code_shapes(query_codes, key_codes)
+    scores = hamming_scores_reference(query_codes, key_codes, bits=bits).to(torch.int64)
+    n = scores.shape[-1]
+    k = min(int(k), n)
+    position = torch.arange(n, device=scores.device)
+    length = written.reshape(())  # compared as a tensor: no host sync
+    held = position < length
+    forced = (position < sink) | ((position >= length - local) & held)
+    ranked = torch.where(forced, g * bits + 2, torch.where(held, scores + 1, 0))
+    picked = torch.topk(ranked * (n + 1) + position, k, dim=-1, sorted=False).indices
+    return picked, ranked.gather(-1, picked).to(fixed_score_dtype(g, bits))
+
+
+def hamming_topk_fixed(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    written: torch.Tensor,
+    *,
+    bits: int,
+    sink: int = 0,
+    local: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`hamming_topk` (recent_first) over a fixed-shape buffer whose first `written` slots (int64 [1] on the
+    codes' device) hold keys -> (indices [B, Hkv, Q, min(k, N)] int64 unordered, their ranking scores
+    (`fixed_score_dtype`): 0 for an empty slot, 1 + matching bits for a key, g * bits + 2 for a forced one).
+
+    No host value depends on `written`, so a CUDA graph replays the op `sparsekv::hamming_topk_fixed` at every
+    length. On CUDA scoring, the empty slots and forcing are fused in the Hamming kernel, then the sort-free
+    select; the reference elsewhere."""
+    if sink < 0 or local < 0 or sink + local > k:
+        raise ValueError(f"sink ({sink}) + local ({local}) must be non-negative and fit in k ({k})")
+    check_code_shapes(query_codes, key_codes)
+    _check_bits(query_codes.shape[-1], bits)
+    if written.dtype != torch.int64 or written.numel() != 1 or written.device != key_codes.device:
+        raise ValueError(f"written must be an int64 tensor of one element on {key_codes.device}")
+    return _hamming_topk_fixed_op(query_codes, key_codes, int(k), written, int(bits), int(sink), int(local))
+
+
+@torch.library.custom_op("sparsekv::hamming_topk_fixed", mutates_args=())
+def _hamming_topk_fixed_op(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    k: int,
+    written: torch.Tensor,
+    bits: int,
+    sink: int,
+    local: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return hamming_topk_fixed_reference(query_codes, key_codes, k, written, bits=bits, sink=sink, local=local)
+
+
+@_hamming_topk_fixed_op.register_kernel("cuda")
+def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, local):
+    from sparsekv.kernels._triton import use_triton
+
+    if use_triton(query_codes, key_codes, written) and 0 < k < key_codes.shape[2]:
+        from sparsekv.kernels import _hamming_triton as impl
+
+        # the fused kernel keeps rows on one grid axis: one query per row at decode sizes (the reference past it)
+        if impl._query_step(query_codes, key_codes) is None:
+            return impl.hamming_topk_fixed_triton(
+                query_codes, key_codes, k, written.reshape(1), bits=bits, sink=sink, local=local
+            )
+    return hamming_topk_fixed_reference(query_codes, key_codes, k, written, bits=bits, sink=sink, local=local)
+
+
+@_hamming_topk_fixed_op.register_fake
+def _hamming_topk_fixed_fake(query_codes, key_codes, k, written, bits, sink, local):
+    b, hq, q, _ = query_codes.shape
+    hkv, n = key_codes.shape[1], key_codes.shape[2]
+    shape = (b, hkv, q, torch.sym_min(k, n))
+    return (
+        query_codes.new_empty(shape, dtype=torch.int64),
+        query_codes.new_empty(shape, dtype=fixed_score_dtype(hq // hkv, bits)),
     )

@@ -53,7 +53,21 @@ def int4_qk_reference(
 def int4_qk(
     query: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, indices: torch.Tensor
 ) -> torch.Tensor:
-    """Estimated q.k over candidate indices from INT4 keys: [B, Hq, Q, K] fp32."""
+    """The op `sparsekv::int4_qk`: estimated q.k over candidate indices from INT4 keys, [B, Hq, Q, K] fp32; the
+    Triton kernel on CUDA, the reference elsewhere."""
+    return _int4_qk_op(query, packed, scale, zero, indices)
+
+
+@torch.library.custom_op("sparsekv::int4_qk", mutates_args=())
+def _int4_qk_op(
+    query: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, indices: torch.Tensor
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    return int4_qk_reference(query, packed, scale, zero, indices)
+
+
+@_int4_qk_op.register_kernel("cuda")
+def _int4_qk_cuda(query, packed, scale, zero, indices):
     from sparsekv.kernels._triton import kernel, use_triton
 
     half = query.shape[-1] // 2
@@ -62,3 +76,8 @@ def int4_qk(
         if impl is not None:
             return impl(query, packed, scale, zero, indices)
     return int4_qk_reference(query, packed, scale, zero, indices)
+
+
+@_int4_qk_op.register_fake
+def _int4_qk_fake(query, packed, scale, zero, indices):
+    return query.new_empty((*query.shape[:-1], indices.shape[-1]), dtype=torch.float32)

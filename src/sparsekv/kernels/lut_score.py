@@ -37,7 +37,19 @@ def lut_scores_reference(
 
 
 def lut_scores(query: torch.Tensor, centroids: torch.Tensor, sign_codes: torch.Tensor) -> torch.Tensor:
-    """Self-index LUT scores per kv head [B, Hkv, Q, N] fp32 (see the reference for shapes)."""
+    """The op `sparsekv::lut_scores`: self-index LUT scores per kv head [B, Hkv, Q, N] fp32 (see the reference for
+    shapes); the Triton kernel on CUDA, the reference elsewhere."""
+    return _lut_scores_op(query, centroids, sign_codes)
+
+
+@torch.library.custom_op("sparsekv::lut_scores", mutates_args=())
+def _lut_scores_op(query: torch.Tensor, centroids: torch.Tensor, sign_codes: torch.Tensor) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    return lut_scores_reference(query, centroids, sign_codes)
+
+
+@_lut_scores_op.register_kernel("cuda")
+def _lut_scores_cuda(query, centroids, sign_codes):
     from sparsekv.kernels._triton import kernel, use_triton
 
     if use_triton(query, centroids, sign_codes):
@@ -45,3 +57,9 @@ def lut_scores(query: torch.Tensor, centroids: torch.Tensor, sign_codes: torch.T
         if impl is not None:
             return impl(query, centroids, sign_codes)
     return lut_scores_reference(query, centroids, sign_codes)
+
+
+@_lut_scores_op.register_fake
+def _lut_scores_fake(query, centroids, sign_codes):
+    b, hkv, n = sign_codes.shape[0], centroids.shape[1], sign_codes.shape[2]
+    return query.new_empty((b, hkv, query.shape[2], n), dtype=torch.float32)

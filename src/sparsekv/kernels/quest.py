@@ -26,14 +26,39 @@ def quest_page_scores_reference(
     raise ValueError(f"group_reduce must be 'sum', 'max' or 'none', got {group_reduce!r}")
 
 
+GROUP_REDUCTIONS = ("sum", "max", "none")
+
+
 def quest_page_scores(
     query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, *, group_reduce: str = "sum"
 ) -> torch.Tensor:
-    """Quest upper-bound page scores (see the reference for shapes)."""
+    """The op `sparsekv::quest_page_scores`: Quest upper-bound page scores (see the reference for shapes); the
+    Triton kernel on CUDA, the reference elsewhere."""
+    if group_reduce not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduce must be 'sum', 'max' or 'none', got {group_reduce!r}")
+    return _quest_page_scores_op(query, page_min, page_max, group_reduce)
+
+
+@torch.library.custom_op("sparsekv::quest_page_scores", mutates_args=())
+def _quest_page_scores_op(
+    query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, group_reduce: str
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    return quest_page_scores_reference(query, page_min, page_max, group_reduce=group_reduce)
+
+
+@_quest_page_scores_op.register_kernel("cuda")
+def _quest_page_scores_cuda(query, page_min, page_max, group_reduce):
     from sparsekv.kernels._triton import kernel, use_triton
 
-    if use_triton(query, page_min, page_max) and group_reduce in ("sum", "max", "none"):
+    if use_triton(query, page_min, page_max) and group_reduce in GROUP_REDUCTIONS:
         impl = kernel("_quest_triton", "quest_page_scores_triton")
         if impl is not None:
             return impl(query, page_min, page_max, group_reduce=group_reduce)
     return quest_page_scores_reference(query, page_min, page_max, group_reduce=group_reduce)
+
+
+@_quest_page_scores_op.register_fake
+def _quest_page_scores_fake(query, page_min, page_max, group_reduce):
+    heads = query.shape[1] if group_reduce == "none" else page_min.shape[1]
+    return query.new_empty((query.shape[0], heads, query.shape[2], page_min.shape[2]), dtype=torch.float32)

@@ -53,7 +53,30 @@ def sign_hash(
     wr: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Packed sign codes of a linear or MLP hash (see the reference for shapes); one kernel on CUDA."""
+    """The op `sparsekv::sign_hash`: packed sign codes of a linear or MLP hash (see the reference for shapes); one
+    kernel on CUDA, the reference elsewhere."""
+    return _sign_hash_op(x, w1, w2, b1, wr, b2)
+
+
+def _code_words(w1: torch.Tensor, w2: torch.Tensor | None) -> int:
+    return ((w2 if w2 is not None else w1).shape[-1] + 31) // 32
+
+
+@torch.library.custom_op("sparsekv::sign_hash", mutates_args=())
+def _sign_hash_op(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    wr: torch.Tensor | None,
+    b2: torch.Tensor | None,
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    return sign_hash_reference(x, w1, w2, b1, wr, b2)
+
+
+@_sign_hash_op.register_kernel("cuda")
+def _sign_hash_cuda(x, w1, w2, b1, wr, b2):
     from sparsekv.kernels._triton import kernel, use_triton
 
     if use_triton(x, w1) and _fused_shapes(x, w1, w2):
@@ -61,6 +84,11 @@ def sign_hash(
         if impl is not None:
             return impl(x, w1, w2, b1, wr, b2)
     return sign_hash_reference(x, w1, w2, b1, wr, b2)
+
+
+@_sign_hash_op.register_fake
+def _sign_hash_fake(x, w1, w2, b1, wr, b2):
+    return x.new_empty((*x.shape[:-1], _code_words(w1, w2)), dtype=torch.int32)
 
 
 # rows of one kv head (its group's queries + the new keys) that one program of the pair kernel takes
@@ -104,7 +132,30 @@ def sign_hash_pair(
     b1: torch.Tensor | None = None,
     wr: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """A decode step's query codes and its new keys' codes in one kernel on CUDA (see the reference)."""
+    """The op `sparsekv::sign_hash_pair`: a decode step's query codes and its new keys' codes (written into
+    key_out) in one kernel on CUDA, the reference elsewhere (see the reference)."""
+    return _sign_hash_pair_op(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+
+
+@torch.library.custom_op("sparsekv::sign_hash_pair", mutates_args=("key_out",))
+def _sign_hash_pair_op(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    key_out: torch.Tensor,
+    key_mean: torch.Tensor,
+    key_scale: torch.Tensor,
+    query_scale: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor | None,
+    b1: torch.Tensor | None,
+    wr: torch.Tensor | None,
+) -> torch.Tensor:
+    """CPU (and any device without its own kernel): the reference."""
+    return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+
+
+@_sign_hash_pair_op.register_kernel("cuda")
+def _sign_hash_pair_cuda(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr):
     from sparsekv.kernels._triton import kernel, use_triton
 
     rows = query.shape[1] // keys.shape[1] * query.shape[2] + keys.shape[2]
@@ -114,3 +165,8 @@ def sign_hash_pair(
         if impl is not None:
             return impl(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
     return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+
+
+@_sign_hash_pair_op.register_fake
+def _sign_hash_pair_fake(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr):
+    return query.new_empty((*query.shape[:-1], _code_words(w1, w2)), dtype=torch.int32)

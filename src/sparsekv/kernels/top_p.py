@@ -40,7 +40,23 @@ def top_p_threshold_reference(weights: torch.Tensor, valid: torch.Tensor, p: flo
 
 
 def top_p_threshold(weights: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep mask [R, K] bool of the smallest high-weight set with mass >= p per row (see the reference)."""
+    """Keep mask [R, K] bool of the smallest high-weight set with mass >= p per row (see the reference).
+
+    The op `sparsekv::top_p_threshold`: one Triton program per row on CUDA, the reference elsewhere."""
+    if weights.shape != valid.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} and valid {tuple(valid.shape)} must have one shape")
+    if valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool mask, not {valid.dtype}")
+    return _top_p_threshold_op(weights, valid, float(p))
+
+
+@torch.library.custom_op("sparsekv::top_p_threshold", mutates_args=())
+def _top_p_threshold_op(weights: torch.Tensor, valid: torch.Tensor, p: float) -> torch.Tensor:
+    return top_p_threshold_reference(weights, valid, p)
+
+
+@_top_p_threshold_op.register_kernel("cuda")
+def _top_p_threshold_cuda(weights, valid, p):
     from sparsekv.kernels._triton import kernel, use_triton
 
     if use_triton(weights, valid) and weights.dim() == 2 and weights.shape[-1] > 0:
@@ -48,3 +64,8 @@ def top_p_threshold(weights: torch.Tensor, valid: torch.Tensor, p: float) -> tor
         if impl is not None:
             return impl(weights, valid, p)
     return top_p_threshold_reference(weights, valid, p)
+
+
+@_top_p_threshold_op.register_fake
+def _top_p_threshold_fake(weights, valid, p):
+    return torch.empty_like(weights, dtype=torch.bool)

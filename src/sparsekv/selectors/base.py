@@ -253,7 +253,7 @@ def int_topk_selection(
 
 
 def _int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection:
-    """`int_topk_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
+    """`int_topk_selection` without its guard (tests run it on CPU, where the op is its reference)."""
     from sparsekv.kernels.topk import select_topk
 
     hints = step.hints
@@ -287,7 +287,7 @@ def fixed_int_topk_selection(scores: torch.Tensor, step: DecodeStep, value_range
 
 
 def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tuple[int, int]) -> Selection:
-    """`fixed_int_topk_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
+    """`fixed_int_topk_selection` without its guard (tests run it on CPU, where the op is its reference)."""
     from sparsekv.kernels.topk import select_topk
 
     n, k = scores.shape[-1], step.hints.max_budget
@@ -334,11 +334,11 @@ def fixed_hamming_selection(
 
 
 def _fixed_hamming_core(query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep) -> Selection:
-    """`fixed_hamming_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
-    from sparsekv.kernels._hamming_triton import hamming_topk_fixed_triton
+    """`fixed_hamming_selection` without its guard (tests run it on CPU, where the op is its reference)."""
+    from sparsekv.kernels.hamming import hamming_topk_fixed
 
     hints = step.hints
-    picked, picked_scores = hamming_topk_fixed_triton(
+    picked, picked_scores = hamming_topk_fixed(
         query_codes, key_codes, hints.max_budget, hints.written, bits=bits, sink=hints.sink, local=hints.local
     )
     return _keep_budgets(picked, picked_scores, step)
@@ -391,15 +391,15 @@ def fused_hamming_selection(
 def _fused_hamming_core(
     query_codes, key_codes, bits: int, step: DecodeStep, threshold_hints: RowBuffer | None = None
 ) -> Selection:
-    """`fused_hamming_selection` without its guard (tests run it on CPU under the Triton interpreter)."""
-    from sparsekv.kernels._hamming_triton import hamming_topk_triton
+    """`fused_hamming_selection` without its guard (tests run it on CPU, where the op is its reference)."""
+    from sparsekv.kernels.hamming import hamming_topk
 
     hints = step.hints
     b, _, q, _ = query_codes.shape
     n = key_codes.shape[2]
     if hints.max_budget >= n:
         return _all_keys((b, key_codes.shape[1], q), n, key_codes.device)
-    indices = hamming_topk_triton(
+    indices = hamming_topk(
         query_codes,
         key_codes,
         hints.max_budget,
