@@ -192,10 +192,14 @@ def test_sparsekv_generate_decodes_through_the_same_path(real_model):
     assert lossless.decode_paths is None  # rollbacks: lossless decoding runs eagerly
 
 
-def test_sliding_window_models_decode_eagerly():
-    """A sliding-window layer must not see past its window: models with such layers (Gemma 3) keep eager steps."""
+@pytest.mark.parametrize("method", ["dense", "oracle-topk"])
+def test_sliding_window_layers_keep_their_window_in_fixed_shape_steps(method):
+    """Gemma 3's sliding-window layers (window 16 here, a 60-token prompt) see only their window in the fixed-shape
+    step too: the same tokens as the eager steps, which attend through the model's own sliding mask."""
     model = random_model("tiny-gemma3", dtype=torch.float32)
+    assert {i.window for i in sparsekv.cache.layer_infos(model) if i.sliding} == {16}
     ids = torch.randint(3, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
-    eager, _, _ = _generate(model, ids, _config("oracle-topk", 0.2), graph_decode=False, steps=8, pad_token_id=0)
-    tokens, steps, _ = _generate(model, ids, _config("oracle-topk", 0.2), graph_decode=True, steps=8, pad_token_id=0)
-    assert steps.get("eager: sliding-window layers") == 6 and torch.equal(tokens, eager)
+    config = _config(method, None if method == "dense" else 0.2)
+    eager, _, _ = _generate(model, ids, config, graph_decode=False, steps=8, pad_token_id=0)
+    tokens, steps, _ = _generate(model, ids, config, graph_decode=True, steps=8, pad_token_id=0)
+    assert steps.get("fixed-shape") == 6 and torch.equal(tokens, eager)

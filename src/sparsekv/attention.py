@@ -223,6 +223,17 @@ def _fixed_step_masks(cache: SparseCache, batch: int, q_len: int) -> dict[str, t
     return rows | {"written": shared["written"]}
 
 
+def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
+    """[1, 1, capacity]: the cached slots within the last `window` positions of the step's token (itself
+    included), as a sliding-window layer sees them; built once per step and window."""
+    shared = cache.fixed_step
+    name = f"window{window}"
+    if name not in shared:
+        recent = cache.fixed_slots > cache.fixed_position - window
+        shared[name] = cache.fixed_visible & recent
+    return shared[name]
+
+
 def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, layer):
     """One new token's attention over the whole preallocated buffer (`SparseCache.begin_fixed_shape`): which slots
     hold cached tokens comes from a device mask, budgets are device tensors under a host bound set by the buffer's
@@ -233,6 +244,9 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     selector = layer.selector
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
+        info = cache.infos[module.layer_idx]
+        if info.sliding:  # its window of the latest tokens only
+            visible = _window_visible(cache, info.window).expand(batch, q_len, -1)
         heads = key.shape[1]
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
         out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale)

@@ -41,6 +41,7 @@ def layer_infos(model) -> list[LayerInfo]:
             )
         num_heads, num_kv_heads = num_heads // tp, num_kv_heads // tp
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
     return [
         LayerInfo(
             layer_idx=i,
@@ -50,6 +51,7 @@ def layer_infos(model) -> list[LayerInfo]:
             head_dim=head_dim,
             scaling=head_dim**-0.5,
             sliding=layer_types[i] == "sliding_attention",
+            window=window if layer_types[i] == "sliding_attention" else None,
             shards=tp,
         )
         for i in range(config.num_hidden_layers)
@@ -380,9 +382,8 @@ class SparseCache(Cache):
         """Why this cache cannot decode with fixed shapes up to `capacity` tokens (None: it can)."""
         if self.attend_densely:
             return "verification forwards attend densely"
-        if any(info.sliding for info in self.infos):
-            # the fixed-shape step attends over every written slot: a window would need its own mask
-            return "sliding-window layers"
+        if any(info.sliding and info.window is None for info in self.infos):
+            return "a sliding-window layer whose window size the model's config does not give"
         for layer in self.layers:
             # the method first: a compressing selector (self-index) keeps no plain K/V buffer, which is not the reason
             if layer.selector is not None and not layer.selector.fixed_shape:

@@ -37,6 +37,9 @@ class LayerInfo:
     scaling: float
     #: the layer attends within a sliding window (hybrid models such as Gemma 3): it keeps its native attention
     sliding: bool = False
+    #: a sliding layer's window: each query sees the last `window` tokens, itself included (None: the model's
+    #: config names none)
+    window: int | None = None
     #: tensor parallelism: the heads above are this rank's share, one of `shards` equal ones
     shards: int = 1
 
