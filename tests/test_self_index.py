@@ -645,6 +645,18 @@ def test_cli_command_is_registered():
     assert any(c.name == "cache-memory" for c in app.registered_commands)
 
 
+def test_measured_cache_memory_on_the_embedded_model(real_model):
+    """`sparsekv cache-memory`'s measurement: the compressed layers hold well under half of bf16; the allocator's
+    counts exist on CUDA only (None on CPU, never a made-up number)."""
+    from sparsekv.eval.cache_memory import measure_cache_memory
+
+    model, tokenizer = real_model
+    report = measure_cache_memory(model, tokenizer, SparseConfig(method="self-index", budget=0.1), 1024, 2)
+    assert report["tokens"] == 1026 and report["method"] == "self-index"
+    assert 0 < report["compressed_layers_ratio_vs_bf16"] < 0.5
+    assert report["allocator"] is None
+
+
 @pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"kv_bits": 16}])
 def test_device_top_k_path_selects_what_the_sorted_rule_selects(options):
     """Uniform steps on a GPU take torch.topk (no full sort, no host sync); the chosen set is the stable-sort rule's

@@ -315,4 +315,8 @@ def register_self_index(app: typer.Typer) -> None:
             f"({100 * report['ratio_vs_bf16']:.1f}% overall{compressed}; {report['dense_layers']} dense layers at "
             f"{dtype})"
         )
+        if report["allocator"] is not None:
+            held, peak = report["allocator"]["held_bytes"], report["allocator"]["peak_above_start_bytes"]
+            console.print(f"allocator: {held / 2**20:.1f} MiB held after the run, peak {peak / 2**20:.1f} MiB above "
+                          "its start")  # fmt: skip
         write_json(output, report)
