@@ -34,6 +34,8 @@ CONFIGS = {
     "oracle-topk": SparseConfig(method="oracle-topk", budget=0.3, dense_layers=(0,)),
     "quest": SparseConfig(method="quest", budget=0.3, dense_layers=(0,)),
     "lsh": SparseConfig(method="lsh", budget=0.3, dense_layers=(0,)),
+    # a hash per key/value head: each rank must use its own heads' hashes, not the first ones
+    "spotlight": SparseConfig(method="spotlight", budget=0.3, dense_layers=(0,)),
 }
 
 pytestmark = pytest.mark.skipif(
@@ -144,6 +146,23 @@ def test_heads_per_rank():
     assert {(i.num_heads, i.num_kv_heads) for i in layer_infos(model)} == {(4, 2)}
     _as_tensor_parallel(model, 2)
     assert {(i.num_heads, i.num_kv_heads, i.group_size) for i in layer_infos(model)} == {(2, 1, 2)}
+
+
+def test_a_ranks_per_head_state_is_its_share_of_the_models():
+    """Per-head state made for the whole model — spotlight's hash functions, drawn or trained for every kv head —
+    is cut to the rank's heads: rank 1 of 2 holds kv heads 2 and 3 of 4."""
+    import dataclasses
+
+    from sparsekv.selectors.base import LayerInfo
+    from sparsekv.selectors.spotlight import untrained_hash
+
+    whole = LayerInfo(layer_idx=1, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, scaling=0.25)
+    second = dataclasses.replace(whole, num_heads=4, num_kv_heads=2, shards=2, shard=1)
+    assert second.kv_heads == slice(2, 4)
+    full, part = untrained_hash(whole, 64, "mlp", 0).state_tensors(), untrained_hash(second, 64, "mlp", 0)
+    assert part.num_heads == 2
+    for name, tensor in part.state_tensors().items():
+        torch.testing.assert_close(tensor, full[name][2:4])
 
 
 def test_heads_not_dividing_by_tp_size_are_refused():

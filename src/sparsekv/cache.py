@@ -25,6 +25,18 @@ def tensor_parallel_size(model) -> int:
     return tp if tp > 1 and sharded else 1
 
 
+def tensor_parallel_rank(model, tp: int) -> int:
+    """This process's place among the `tp` ranks that share each layer's heads (rank r holds the r-th share)."""
+    if tp == 1:
+        return 0
+    mesh = getattr(model, "_device_mesh", None)  # transformers' TP mesh (1-D, or with a "tp" dimension)
+    if mesh is not None:
+        if mesh.ndim > 1:
+            mesh = mesh["tp"]
+        return mesh.get_local_rank()
+    return torch.distributed.get_rank() % tp if torch.distributed.is_initialized() else 0
+
+
 def layer_infos(model) -> list[LayerInfo]:
     """Each layer's shape as its attention sees it; under tensor parallelism, this rank's shard of the heads."""
     config = model.config.get_text_config(decoder=True)
@@ -42,6 +54,7 @@ def layer_infos(model) -> list[LayerInfo]:
         num_heads, num_kv_heads = num_heads // tp, num_kv_heads // tp
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
+    shard = tensor_parallel_rank(model, tp)
     return [
         LayerInfo(
             layer_idx=i,
@@ -53,6 +66,7 @@ def layer_infos(model) -> list[LayerInfo]:
             sliding=layer_types[i] == "sliding_attention",
             window=window if layer_types[i] == "sliding_attention" else None,
             shards=tp,
+            shard=shard,
         )
         for i in range(config.num_hidden_layers)
     ]

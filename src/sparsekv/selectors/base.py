@@ -40,12 +40,19 @@ class LayerInfo:
     #: a sliding layer's window: each query sees the last `window` tokens, itself included (None: the model's
     #: config names none)
     window: int | None = None
-    #: tensor parallelism: the heads above are this rank's share, one of `shards` equal ones
+    #: tensor parallelism: the heads above are this rank's share, number `shard` of `shards` equal ones
     shards: int = 1
+    shard: int = 0
 
     @property
     def group_size(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def kv_heads(self) -> slice:
+        """This layer's key/value heads among the model's (all of them without tensor parallelism): what a
+        per-head state made for the whole model (a trained hash, a channel calibration) is cut to."""
+        return slice(self.shard * self.num_kv_heads, (self.shard + 1) * self.num_kv_heads)
 
 
 class _OnDemand:

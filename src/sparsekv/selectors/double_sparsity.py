@@ -200,14 +200,14 @@ class DoubleSparsitySelector(TokenSelector):
         self.selected: torch.Tensor | None = None  # [1 or B, Hkv, r] label channel indices
         if self.channels_file:
             ranking, _ = load_channels(self.channels_file)
-            expected = (layer.num_layers, layer.num_kv_heads, layer.head_dim)
+            expected = (layer.num_layers, layer.num_kv_heads * layer.shards, layer.head_dim)  # the model's heads
             if tuple(ranking.shape) != expected:
                 raise ConfigError(
                     f"Double Sparsity channels file {self.channels_file} has shape {tuple(ranking.shape)} "
                     f"(layers, kv heads, head dim) but the model has {expected}: "
                     "it was made for another model"
                 )
-            self.selected = ranking[layer.layer_idx, :, : self.rank][None].clone()
+            self.selected = ranking[layer.layer_idx, layer.kv_heads, : self.rank][None].clone()
         self.prompt_length = 0
         self.prompt_query: torch.Tensor | None = None
         self.labels: torch.Tensor | None = None  # [B, Hkv, capacity, r]

@@ -131,6 +131,14 @@ class LayerHash(nn.Module):
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.state_dict().items()}
 
+    def select_heads(self, heads: slice) -> LayerHash:
+        """The hash functions of kv heads `heads` only (under tensor parallelism: this rank's share)."""
+        state = {name: tensor[heads] for name, tensor in self.state_tensors().items()}
+        count = next(iter(state.values())).shape[0]
+        part = LayerHash(count, self.head_dim, self.bits, self.kind, self.hidden)
+        part.load_state_dict(state)
+        return part.requires_grad_(False)
+
 
 def random_rotations(heads: int, dim: int, bits: int, generator: torch.Generator | None) -> torch.Tensor:
     """[heads, dim, bits]: columns of random rotations (QR of a Gaussian, det fixed to +1), enough blocks of
@@ -264,10 +272,10 @@ SHAPE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
 def shape_mismatch(fingerprint: dict, layer: LayerInfo) -> str | None:
-    actual = {
+    actual = {  # the model's shape: under tensor parallelism `layer` holds one share of its heads
         "num_layers": layer.num_layers,
-        "num_heads": layer.num_heads,
-        "num_kv_heads": layer.num_kv_heads,
+        "num_heads": layer.num_heads * layer.shards,
+        "num_kv_heads": layer.num_kv_heads * layer.shards,
         "head_dim": layer.head_dim,
     }
     diff = [
@@ -279,11 +287,12 @@ def shape_mismatch(fingerprint: dict, layer: LayerInfo) -> str | None:
 
 
 def untrained_hash(layer: LayerInfo, bits: int, kind: str, seed: int) -> LayerHash:
-    """The deterministic untrained hash of a layer (seeded per layer)."""
+    """The deterministic untrained hash of a layer (seeded per layer; drawn for all of the model's kv heads, so that
+    a rank of a tensor-parallel model uses its own heads' hashes)."""
     generator = torch.Generator().manual_seed(seed * 100_003 + layer.layer_idx)
-    return LayerHash(layer.num_kv_heads, layer.head_dim, bits, kind, generator=generator).requires_grad_(
-        False
-    )
+    whole = LayerHash(layer.num_kv_heads * layer.shards, layer.head_dim, bits, kind, generator=generator)
+    whole.requires_grad_(False)
+    return whole if layer.shards == 1 else whole.select_heads(layer.kv_heads)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -585,4 +594,5 @@ def resolve_hash(
             f"spotlight checkpoint {str(path)!r} has no hash for layer {layer.layer_idx} (it covers layers "
             f"{trained[0]}..{trained[-1]}): keep that layer dense (dense_layers) or train it with train-hash"
         )
-    return loaded.layers[layer.layer_idx]
+    trained = loaded.layers[layer.layer_idx]
+    return trained if layer.shards == 1 else trained.select_heads(layer.kv_heads)
