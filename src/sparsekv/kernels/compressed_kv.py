@@ -98,38 +98,18 @@ def _fields_of(kv: CompressedKV) -> tuple:
     return tuple(getattr(kv, field.name) for field in fields(CompressedKV))
 
 
-@torch.library.custom_op("sparsekv::compressed_key_scores", mutates_args=())
-def _compressed_key_scores_op(
-    query: torch.Tensor,
-    index: torch.Tensor,
-    tail_from: torch.Tensor,
-    sign_bits: torch.Tensor,
-    k_mag: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor | None,
-    v: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    mu: torch.Tensor,
-    alpha: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    midrise: bool,
-    k_scale_tokens: int,
-    k_scale_offset: int,
-    sink_positions: torch.Tensor | None,
-    sink_keys: torch.Tensor | None,
-    sink_values: torch.Tensor | None,
-    tail_keys: torch.Tensor | None,
-    tail_values: torch.Tensor | None,
-    tail_first: int,
-) -> torch.Tensor:
+#: the op schema of a CompressedKV's fields, derived from the dataclass: the ops take the view's fields, not the view
+_SCHEMA_TYPES = {"torch.Tensor": "Tensor", "torch.Tensor | None": "Tensor?", "int": "int", "bool": "bool"}
+_KV_SCHEMA = ", ".join(f"{_SCHEMA_TYPES[field.type]} {field.name}" for field in fields(CompressedKV))
+
+
+@torch.library.custom_op(
+    "sparsekv::compressed_key_scores", mutates_args=(),
+    schema=f"(Tensor query, Tensor index, Tensor tail_from, {_KV_SCHEMA}) -> Tensor",
+)  # fmt: skip
+def _compressed_key_scores_op(query, index, tail_from, *kv_fields):
     """CPU (and any device without its own kernel): the reference."""
-    kv = CompressedKV(
-        sign_bits, k_mag, k_scale, k_zero, v, v_scale, v_zero, mu, alpha, k_bits, v_bits, midrise, k_scale_tokens,
-        k_scale_offset, sink_positions, sink_keys, sink_values, tail_keys, tail_values, tail_first,
-    )  # fmt: skip
-    return compressed_key_scores_reference(query, kv, index, tail_from)
+    return compressed_key_scores_reference(query, CompressedKV(*kv_fields), index, tail_from)
 
 
 @_compressed_key_scores_op.register_kernel("cuda")
@@ -202,40 +182,13 @@ def compressed_attention(
     return _compressed_attention_op(query, indices, valid, float(scaling), tail_from, *_fields_of(kv))
 
 
-@torch.library.custom_op("sparsekv::compressed_attention", mutates_args=())
-def _compressed_attention_op(
-    query: torch.Tensor,
-    indices: torch.Tensor,
-    valid: torch.Tensor,
-    scaling: float,
-    tail_from: torch.Tensor,
-    sign_bits: torch.Tensor,
-    k_mag: torch.Tensor,
-    k_scale: torch.Tensor,
-    k_zero: torch.Tensor | None,
-    v: torch.Tensor,
-    v_scale: torch.Tensor,
-    v_zero: torch.Tensor,
-    mu: torch.Tensor,
-    alpha: torch.Tensor,
-    k_bits: int,
-    v_bits: int,
-    midrise: bool,
-    k_scale_tokens: int,
-    k_scale_offset: int,
-    sink_positions: torch.Tensor | None,
-    sink_keys: torch.Tensor | None,
-    sink_values: torch.Tensor | None,
-    tail_keys: torch.Tensor | None,
-    tail_values: torch.Tensor | None,
-    tail_first: int,
-) -> torch.Tensor:
+@torch.library.custom_op(
+    "sparsekv::compressed_attention", mutates_args=(),
+    schema=f"(Tensor query, Tensor indices, Tensor valid, float scaling, Tensor tail_from, {_KV_SCHEMA}) -> Tensor",
+)  # fmt: skip
+def _compressed_attention_op(query, indices, valid, scaling, tail_from, *kv_fields):
     """CPU (and any device without its own kernel): the reference."""
-    kv = CompressedKV(
-        sign_bits, k_mag, k_scale, k_zero, v, v_scale, v_zero, mu, alpha, k_bits, v_bits, midrise, k_scale_tokens,
-        k_scale_offset, sink_positions, sink_keys, sink_values, tail_keys, tail_values, tail_first,
-    )  # fmt: skip
-    return compressed_attention_reference(query, kv, indices, valid, scaling, tail_from)
+    return compressed_attention_reference(query, CompressedKV(*kv_fields), indices, valid, scaling, tail_from)
 
 
 @_compressed_attention_op.register_kernel("cuda")
