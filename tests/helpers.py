@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,3 +77,10 @@ def run_chunks(model, config, input_ids, prefix: int, chunk: int, attention_mask
             if lo >= prefix:
                 logits.append(out.logits)
     return torch.cat(logits, dim=1), recorder
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now: the rendezvous of a multi-process test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

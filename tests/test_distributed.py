@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import traceback
@@ -25,6 +24,7 @@ from sparsekv.attention import RUNTIME_ATTR
 from sparsekv.cache import layer_infos
 from sparsekv.config import ConfigError
 from sparsekv.models import load_tensor_parallel, random_model
+from tests.helpers import free_port
 
 WORLD = 2
 TIMEOUT_S = 90  # the whole 2-rank run takes a few seconds; a hung collective must fail CI, not stall it
@@ -78,11 +78,6 @@ def _rank(rank: int, port: int, model_dir: str, results) -> None:
         results.put((rank, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -98,7 +93,7 @@ def test_tensor_parallel_matches_single_process(model_dir):
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, model_dir, results), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
@@ -184,7 +179,7 @@ def _bench_generate(tmp_path, *launch: str, tp: int = 2) -> subprocess.Completed
 def test_bench_generate_tensor_parallel(tmp_path):
     """`torchrun --nproc-per-node 2 -m sparsekv.cli bench generate --tp 2`: every row through model.generate() on
     a tensor-parallel model; rank 0 writes the table, with the stats of both ranks' heads."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port())]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port())]
     result = _bench_generate(tmp_path, *launch)
     assert result.returncode == 0, result.stderr[-3000:]
     payload = json.loads((tmp_path / "generate.json").read_text())

@@ -9,7 +9,6 @@ saved to a folder with a byte tokenizer, against the same command in one process
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import torch.distributed as dist
 
 from sparsekv.config import ConfigError
 from sparsekv.eval.distributed import Shard, data_parallel, world_from_env
+from tests.helpers import free_port
 
 TIMEOUT_S = 120  # each run takes a few seconds; a hung collective must fail the test, not stall it
 #: wall-clock timings of a cell (ppl's per-run "seconds" and "tokens_per_second"): they differ between any two
@@ -124,11 +124,6 @@ def test_bad_launch_environment_is_one_clear_error(monkeypatch, env, message):
 # ------------------------------------------------------------------------------------------------ the CLI, 2 processes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -166,7 +161,7 @@ def _without(payload, fields: set[str]):
 def test_cli_compare_on_two_processes_equals_one_process(tmp_path, model_dir):
     methods = "dense,oracle-topk,streaming,quest,nope"  # 7 cells: 4 on rank 0, 3 on rank 1
     single, _ = _compare(tmp_path / "single", model_dir, methods)
-    launch = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()))
+    launch = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()))
     merged, stdout = _compare(tmp_path / "torchrun", model_dir, methods, *launch)
     assert _without(merged, TIMING_FIELDS) == _without(single, TIMING_FIELDS)
     assert stdout.count("| dense |") == 1  # rank 0 alone prints the table
