@@ -73,6 +73,7 @@ def _rank(rank: int, port: int, model_dir: str, results) -> None:
         model = load_tensor_parallel(model_dir, torch.float32)
         assert model.tp_size == WORLD
         results.put((rank, _decode(model)))
+        dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - any failure goes back to the test as text, so a rank never hangs it
         results.put((rank, traceback.format_exc()))

@@ -181,6 +181,7 @@ def generate(
                           prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp,
                           progress=_progress if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
         if result["rank"] != 0:
             return

@@ -120,6 +120,8 @@ def data_parallel(device: str) -> Iterator[tuple[Shard, str]]:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=torch.device(device) if cuda else None)
     try:
         yield Shard(rank=rank, world=world, gather_fn=_all_gather_object), device
+        if owned:  # the block ended on every rank: no rank tears the group down while another still talks to it
+            dist.barrier()
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()
