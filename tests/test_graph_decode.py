@@ -89,6 +89,36 @@ def test_graph_decode_must_be_a_bool_or_none(real_model):
         sparsekv.enable(model, _config("spotlight", 0.1), graph_decode="yes")
 
 
+def test_compile_step_needs_the_fixed_shape_step(real_model):
+    model, _ = real_model
+    with pytest.raises(ConfigError, match="compile_step"):
+        sparsekv.enable(model, _config("spotlight", 0.1), compile_step="yes")
+    with pytest.raises(ConfigError, match="graph_decode=False"):
+        sparsekv.enable(model, _config("spotlight", 0.1), graph_decode=False, compile_step=True)
+
+
+def test_compiled_fixed_shape_step_equals_eager():
+    """`compile_step=True`: the fixed-shape step's forward goes through torch.compile (every layer compiled, the
+    cache update and the attention left to run as they are), with the eager path's tokens and stats."""
+    from torch._dynamo.utils import counters
+
+    model = random_model("tiny-llama", dtype=torch.float32, num_hidden_layers=3)
+    ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(0))
+    config = _config("spotlight", 0.2)
+    eager, _, eager_cache = _generate(model, ids, config, graph_decode=False, steps=12, pad_token_id=0)
+    torch._dynamo.reset()
+    counters.clear()
+    with sparsekv.enabled(model, config, graph_decode=True, compile_step=True) as runtime:
+        out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        compiled_cache = sparsekv.last_cache(model)
+        assert runtime.graph.steps.get("fixed-shape") == 10
+    assert torch.equal(out[:, ids.shape[1] :], eager)
+    # compiled pieces of every layer's step (around its cache update and attention), not an eager fallback
+    assert counters["stats"]["unique_graphs"] >= 2 * model.config.num_hidden_layers
+    stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
+    assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("method,budget", FIXED_SHAPE_METHODS)
 def test_cuda_graph_replays_equal_eager(method, budget):

@@ -76,7 +76,12 @@ def _generation_length(model, prompt_length: int | None, kwargs: dict) -> int:
 
 
 def enable(
-    model, config: SparseConfig, *, prompt_filtered: bool = False, graph_decode: bool | None = None
+    model,
+    config: SparseConfig,
+    *,
+    prompt_filtered: bool = False,
+    graph_decode: bool | None = None,
+    compile_step: bool = False,
 ) -> SparseRuntime:
     """Makes `model` decode with `config`; `model.generate()` and plain forwards then use a SparseCache.
 
@@ -95,6 +100,11 @@ def enable(
     False: never.
     `runtime.graph.steps` counts the decode steps of the last generate() call by path, with the reason of any
     step that ran eagerly.
+
+    compile_step: the fixed-shape step runs the model's forward through `torch.compile` before the graph captures
+    it: Inductor fuses the many small kernels of the layers' norms, rotary embeddings, activations and residual
+    adds (the cache update and the attention stay as they are). The first captured step pays the compile time
+    (about 10 s for 32 Llama-3-8B-shaped layers on an H200 host); needs graph_decode None or True.
     """
     if not isinstance(config, SparseConfig):
         raise ConfigError(f"enable() needs a SparseConfig, got {type(config).__name__}")
@@ -120,6 +130,10 @@ def enable(
     register()
     if graph_decode not in (None, True, False):
         raise ConfigError(f"graph_decode must be None, True or False, got {graph_decode!r}")
+    if compile_step not in (True, False):
+        raise ConfigError(f"compile_step must be True or False, got {compile_step!r}")
+    if compile_step and graph_decode is False:
+        raise ConfigError("compile_step compiles the fixed-shape decode step, which graph_decode=False turns off")
     runtime = SparseRuntime(config)
     for module in _attention_modules(model):
         setattr(module, RUNTIME_ATTR, runtime)
@@ -159,7 +173,7 @@ def enable(
     # (prefill_chunk_size) is prefilled densely; the class and every other model are untouched
     class_generate = type(model).generate
     class_forward = model.forward
-    runtime.graph = GraphDecode(class_forward, cache_name, graph_decode)
+    runtime.graph = GraphDecode(class_forward, cache_name, graph_decode, compile_step)
 
     @functools.wraps(class_forward)  # generate reads the forward's signature (logits_to_keep, ...)
     def forward_through_graphs(*args, **kwargs):
@@ -198,10 +212,16 @@ def disable(model) -> None:
 
 @contextlib.contextmanager
 def enabled(
-    model, config: SparseConfig, *, prompt_filtered: bool = False, graph_decode: bool | None = None
+    model,
+    config: SparseConfig,
+    *,
+    prompt_filtered: bool = False,
+    graph_decode: bool | None = None,
+    compile_step: bool = False,
 ) -> Iterator[SparseRuntime]:
     """`enable` for the duration of a `with` block."""
-    runtime = enable(model, config, prompt_filtered=prompt_filtered, graph_decode=graph_decode)
+    runtime = enable(model, config, prompt_filtered=prompt_filtered, graph_decode=graph_decode,
+                     compile_step=compile_step)  # fmt: skip
     try:
         yield runtime
     finally:
@@ -373,6 +393,7 @@ def generate(
     temperature: float = 1.0,
     seed: int | None = None,
     graph_decode: bool | None = None,
+    compile_step: bool = False,
 ) -> GenerationResult:
     """Greedy generation of a batch of prompts (left-padded) with sparse decoding, timed and with budget stats.
 
@@ -388,6 +409,7 @@ def generate(
 
     graph_decode: as for `enable`: the one-token decode steps of an unpadded batch replay one CUDA graph (None: on
     CUDA; lossless decoding always runs eagerly); `decode_paths` in the result says how each step ran.
+    compile_step: as for `enable`: that step's forward compiled by torch.compile before it is captured.
 
     A prompt plus `max_new_tokens` longer than the model's trained context (`max_position_embeddings`) is refused
     unless `allow_longer_context`: past it most models answer nothing useful, after a long prefill.
@@ -418,7 +440,8 @@ def generate(
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
     drafted = accepted = verifications = 0
-    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode) as runtime, contextlib.ExitStack() as graphs:
+    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode, compile_step=compile_step) as runtime, \
+            contextlib.ExitStack() as graphs:  # fmt: skip
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         capacity = input_ids.shape[1] + max_new_tokens

@@ -33,12 +33,15 @@ class GraphDecode:
 
     mode: None (default) captures on CUDA only; True also runs the fixed-shape step on CPU (no graph there);
     False always decodes eagerly.
+    compile_step: the fixed-shape step runs the forward compiled by `torch.compile` (see `enable`).
     """
 
-    def __init__(self, forward, cache_name: str, mode: bool | None = None) -> None:
+    def __init__(self, forward, cache_name: str, mode: bool | None = None, compile_step: bool = False) -> None:
         self.forward = forward
         self.cache_name = cache_name
         self.mode = mode
+        self.compile_step = compile_step
+        self._compiled = None
         self.accepts_cache_position = "cache_position" in inspect.signature(forward).parameters
         #: how the latest forward ran: "graph", "fixed-shape" (CPU), or "eager: <why>"
         self.path = "eager: no forward yet"
@@ -173,7 +176,25 @@ class GraphDecode:
 
     def _run(self):
         self.cache.prepare_fixed_step()
-        return self.forward(**self.fixed_kwargs, **self.inputs, attention_mask=None)
+        return self._step_forward()(**self.fixed_kwargs, **self.inputs, attention_mask=None)
+
+    def _step_forward(self):
+        """The forward of a fixed-shape step: the model's own, or (compile_step) its torch.compile'd version, built
+        once. Shapes are the same at every step (dynamic=False); the cache update and the attention are opaque to
+        the compiler (`torch.compiler.disable`) and run as they do eagerly, between the compiled pieces."""
+        if not self.compile_step:
+            return self.forward
+        if self._compiled is None:
+            self._compiled = torch.compile(self.forward, dynamic=False)
+        # each layer's attention module compiles once: its layer index is a constant of the code around the
+        # cache update, so the default limit of 8 compiles per function would leave later layers uncompiled
+        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.cache.layers) + 8)
+
+        def compiled(**kwargs):
+            with torch._dynamo.config.patch(recompile_limit=limit):
+                return self._compiled(**kwargs)
+
+        return compiled
 
     def _capture(self):
         """Runs the step once on a side stream (lazy allocations, kernel compilation and autotuning happen

@@ -154,7 +154,8 @@ def generate(
     batch: Annotated[int, typer.Option(help="batch size")] = 1,
     rows: Annotated[str, typer.Option(
         help="comma-separated: hf-dense, hf-static-compile and methods (dense: sparsekv's captured dense step; "
-        "<method>@eager: without CUDA graphs)")] = (
+        "<method>@eager: without CUDA graphs; <method>@compile: the step compiled by torch.compile, then "
+        "captured)")] = (
         "hf-dense,hf-static-compile,dense,spotlight,lsh,quest,twilight,double-sparsity,self-index"
     ),
     budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
