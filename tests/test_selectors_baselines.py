@@ -59,7 +59,7 @@ def selected(selection, b=0, s=0) -> list[list[int]]:
 
 
 def test_quest_page_scores_match_the_definition():
-    from sparsekv.selectors.quest import page_scores
+    from sparsekv.kernels.quest import quest_page_scores
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 3, 8, generator=gen)
@@ -68,11 +68,11 @@ def test_quest_page_scores_match_the_definition():
     qe = q[:, :, :, None, :]
     full_hi, full_lo = hi.repeat_interleave(2, 1)[:, :, None], lo.repeat_interleave(2, 1)[:, :, None]
     expected = torch.maximum(qe * full_hi, qe * full_lo).sum(-1)
-    torch.testing.assert_close(page_scores(q, hi, lo), expected)
+    torch.testing.assert_close(quest_page_scores(q, lo, hi, group_reduce="none"), expected)
 
 
 def test_quest_hand_case():
-    from sparsekv.selectors.quest import page_scores
+    from sparsekv.kernels.quest import quest_page_scores
 
     # pages of 2: [k0 k1] max (1,2) min (-1,0); [k2 k3] max (3,-1) min (0,-4); [k4 k5] holds the query.
     # q = (1,-1): page 0 -> max(1,-1) + max(-2,0) = 1; page 1 -> max(3,0) + max(1,4) = 7
@@ -82,7 +82,7 @@ def test_quest_hand_case():
     sel.prefill(keys[:, :, :5], keys[:, :, :5], keys[:, :, :5])
     query = torch.tensor([1.0, -1])[None, None, None]
     scores = sel.score(step(query, keys, 4, info))[0, 0, 0]
-    assert page_scores(query, sel.page_max[:, :, :2], sel.page_min[:, :, :2]).flatten().tolist() == [1, 7]
+    assert quest_page_scores(query, sel.page_min[:, :, :2], sel.page_max[:, :, :2]).flatten().tolist() == [1, 7]
     assert scores[5] > scores[4] > scores[3] > scores[2] > scores[1] > scores[0]  # own page, then page 1
     assert selected(sel.select(step(query, keys, 4, info))) == [[2, 3, 4, 5]]
     assert selected(sel.select(step(query, keys, 3, info))) == [[3, 4, 5]]  # rest of the budget: recent first

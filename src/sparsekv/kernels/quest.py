@@ -9,14 +9,18 @@ def quest_page_scores_reference(
     query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, *, group_reduce: str = "sum"
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; page_min/page_max [B, Hkv, P, d] -> sum_i max(q_i*max_i, q_i*min_i) as fp32,
-    [B, Hkv, Q, P] reduced over each GQA group ("sum" or "max") or [B, Hq, Q, P] with group_reduce="none"."""
+    [B, Hkv, Q, P] reduced over each GQA group ("sum" or "max") or [B, Hq, Q, P] with group_reduce="none".
+
+    Computed as two matmuls: for max_i >= min_i, max(q_i max_i, q_i min_i) = q_i c_i + |q_i| r_i with the centre
+    c = (max + min) / 2 and the radius r = (max - min) / 2, so no [Q, P, d] product is ever formed. A page that
+    holds no token yet (max -inf, min inf) has no finite score."""
     b, hq, q, d = query.shape
     hkv = page_min.shape[1]
     g = hq // hkv
-    qg = query.float().reshape(b, hkv, g, q, 1, d)
-    mx = page_max.float()[:, :, None, None]
-    mn = page_min.float()[:, :, None, None]
-    s = torch.maximum(qg * mx, qg * mn).sum(-1)  # [B, Hkv, g, Q, P]
+    centre = (page_max.float() + page_min.float()) / 2
+    radius = (page_max.float() - page_min.float()) / 2
+    qg = query.float().reshape(b, hkv, g * q, d)  # the GQA group's query heads next to each other
+    s = (qg @ centre.transpose(-1, -2) + qg.abs() @ radius.transpose(-1, -2)).reshape(b, hkv, g, q, -1)
     if group_reduce == "sum":
         return s.sum(2)
     if group_reduce == "max":

@@ -14,23 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.config import ConfigError
-from sparsekv.selectors.base import DecodeStep, TokenSelector, to_selection_heads
+from sparsekv.kernels.quest import quest_page_scores
+from sparsekv.selectors.base import DecodeStep, TokenSelector
 from sparsekv.selectors.lsh import unique_ranks
-
-
-def page_scores(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor) -> torch.Tensor:
-    """query [B, Hq, Q, d], page_max/min [B, Hkv, P, d] -> [B, Hq, Q, P] sum_i max(q_i max_i, q_i min_i).
-
-    Uses max(a, b) = (a + b)/2 + |a - b|/2 with a - b = q (max - min), q-sign independent of the max >= min
-    order: two matmuls instead of a [Q, P, d] intermediate.
-    """
-    group = query.shape[1] // page_max.shape[1]
-    centre = torch.nan_to_num((page_max + page_min) / 2, nan=0.0, posinf=0.0, neginf=0.0)
-    radius = torch.nan_to_num((page_max - page_min) / 2, nan=0.0, posinf=0.0, neginf=0.0)
-    centre = centre.repeat_interleave(group, dim=1)
-    radius = radius.repeat_interleave(group, dim=1)
-    q = query.to(centre.dtype)
-    return torch.matmul(q, centre.transpose(-1, -2)) + torch.matmul(q.abs(), radius.transpose(-1, -2))
 
 
 @dataclass
@@ -142,8 +128,10 @@ class QuestSelector(TokenSelector):
         else:
             pages = int(token_page.max()) + 1
             query_page = token_page[:, n - q_len :]  # [B, Q]
-        scores = page_scores(step.query, self.page_max[:, :, :pages], self.page_min[:, :, :pages])
-        scores = to_selection_heads(scores, step)  # [B, S, Q, P]
+        # [B, S, Q, P]: the op sums each GQA group's heads (gqa "group") or keeps every query head
+        reduce = "sum" if step.gqa == "group" else "none"
+        scores = quest_page_scores(step.query, self.page_min[:, :, :pages], self.page_max[:, :, :pages],
+                                   group_reduce=reduce)  # fmt: skip
         earlier = torch.arange(pages, device=scores.device)[None, None, :] < query_page[:, :, None]
         # pages after the query's own are not yet visible; ranks put them (and invalid pages) last
         ranks = unique_ranks(scores.masked_fill(~earlier[:, None], float("-inf")))
