@@ -426,3 +426,24 @@ def test_bench_generate_times_every_row_through_model_generate(tmp_path):
     for method in ("oracle-topk", "self-index"):
         assert rows[method]["sparse_layers"] == [2]  # layers 0 and 1 are dense by default
         assert 0 < rows[method]["avg_budget_tokens"] < 0.2 * rows[method]["avg_context_tokens"]
+    assert all(r["step_ms"] is None for r in rows.values())  # no CUDA graph to replay alone on CPU
+
+
+def test_bench_generate_times_the_step_alone_after_the_last_token():
+    from sparsekv.bench.generate import _TokenClock
+
+    calls = []
+    clock = _TokenClock(torch.device("cpu"), puts=4, at_last=lambda: calls.append(len(clock.times)))
+    for _ in range(4):
+        clock.put(None)
+    assert calls == [4]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_bench_generate_reports_the_captured_step_alone_on_cuda():
+    from sparsekv.bench.generate import run_generate
+
+    result = run_generate("tiny-llama", layers=2, context=256, batch=2, rows=("dense", "spotlight"), new_tokens=8,
+                          warmup=2, device="cuda")  # fmt: skip
+    for row in result["summary"]:
+        assert 0 < row["step_ms"] <= row["tpot_ms"], row

@@ -102,7 +102,8 @@ def test_compiled_fixed_shape_step_equals_eager():
     cache update and the attention left to run as they are), with the eager path's tokens and stats."""
     from torch._dynamo.utils import counters
 
-    model = random_model("tiny-llama", dtype=torch.float32, num_hidden_layers=3)
+    # more layers than dynamo's default limit of 8 compiles per function: each layer's code compiles once for all
+    model = random_model("tiny-llama", dtype=torch.float32, num_hidden_layers=10)
     ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(0))
     config = _config("spotlight", 0.2)
     eager, _, eager_cache = _generate(model, ids, config, graph_decode=False, steps=12, pad_token_id=0)
@@ -113,8 +114,9 @@ def test_compiled_fixed_shape_step_equals_eager():
         compiled_cache = sparsekv.last_cache(model)
         assert runtime.graph.steps.get("fixed-shape") == 10
     assert torch.equal(out[:, ids.shape[1] :], eager)
-    # compiled pieces of every layer's step (around its cache update and attention), not an eager fallback
-    assert counters["stats"]["unique_graphs"] >= 2 * model.config.num_hidden_layers
+    # the compiled pieces of the step (around each layer's cache update and attention), not an eager fallback; the
+    # layers share them (unspecialised layer indices) instead of compiling once per layer
+    assert 2 <= counters["stats"]["unique_graphs"] < model.config.num_hidden_layers
     stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
 

@@ -23,6 +23,26 @@ import torch
 
 from sparsekv.cache import SparseCache
 
+#: transformers releases that take the cache as `cache` wrap every forward in one argument-renaming function, which
+#: dynamo compiles once per wrapped forward around the graph breaks (model, decoder, layer, attention: up to 10)
+COMPILE_RECOMPILE_LIMIT = 16
+
+
+def compile_for_decode(fn, backend: str = "inductor"):
+    """`fn` (a model's forward, or the model itself) through torch.compile, for decode steps. The cache update and
+    the attention call stay outside the compiled graphs (both are `torch.compiler.disable`d: they hold Python state
+    that changes every step); what compiles is the rest of each layer: norms, projections, rotary embedding, MLP,
+    residuals. Layer indices stay unspecialised, so the layers share one graph instead of one graph each (which
+    would pass dynamo's recompile limit of 8 and leave the later layers uncompiled)."""
+    compiled = torch.compile(fn, backend=backend)
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=COMPILE_RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 #: model keywords a captured step may be given: the step's own tensors are replaced by static buffers; the rest
 #: must be the same at every step (they are baked into the graph)
 _STEP_TENSORS = ("input_ids", "position_ids", "cache_position", "attention_mask")
@@ -179,22 +199,13 @@ class GraphDecode:
         return self._step_forward()(**self.fixed_kwargs, **self.inputs, attention_mask=None)
 
     def _step_forward(self):
-        """The forward of a fixed-shape step: the model's own, or (compile_step) its torch.compile'd version, built
-        once. Shapes are the same at every step (dynamic=False); the cache update and the attention are opaque to
-        the compiler (`torch.compiler.disable`) and run as they do eagerly, between the compiled pieces."""
+        """The forward of a fixed-shape step: the model's own, or (compile_step) its `compile_for_decode` version,
+        built once. Shapes are the same at every step, so it compiles once."""
         if not self.compile_step:
             return self.forward
         if self._compiled is None:
-            self._compiled = torch.compile(self.forward, dynamic=False)
-        # each layer's attention module compiles once: its layer index is a constant of the code around the
-        # cache update, so the default limit of 8 compiles per function would leave later layers uncompiled
-        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.cache.layers) + 8)
-
-        def compiled(**kwargs):
-            with torch._dynamo.config.patch(recompile_limit=limit):
-                return self._compiled(**kwargs)
-
-        return compiled
+            self._compiled = compile_for_decode(self.forward)
+        return self._compiled
 
     def _capture(self):
         """Runs the step once on a side stream (lazy allocations, kernel compilation and autotuning happen

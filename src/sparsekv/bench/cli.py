@@ -191,8 +191,8 @@ def generate(
         title=f"model.generate(): {model} ({result['layers']} layers) N{context} B{batch} budget {budget}{parallel}, "
         f"transformers {result['transformers']}"
     )
-    columns = ("row", "TPOT ms", "tokens/s", "vs HF best dense", "vs captured dense", "tokens attended", "prefill s",
-               "peak GB", "decode steps")  # fmt: skip
+    columns = ("row", "TPOT ms", "step alone ms", "tokens/s", "vs HF best dense", "vs captured dense",
+               "tokens attended", "prefill s", "peak GB", "decode steps")  # fmt: skip
     for col in columns:
         table.add_column(col, justify="left" if col in ("row", "decode steps") else "right")
     for r in result["summary"]:
@@ -200,7 +200,7 @@ def generate(
             table.add_row(r["row"], r["error"], *[""] * (len(columns) - 2))
             continue
         table.add_row(
-            r["row"], f"{r['tpot_ms']:.2f}", f"{r['tokens_per_s']:.1f}",
+            r["row"], f"{r['tpot_ms']:.2f}", f"{r['step_ms']:.2f}" if r.get("step_ms") else "", f"{r['tokens_per_s']:.1f}",
             f"{r['vs_hf_best_dense']:.2f}x" if r["vs_hf_best_dense"] else "",
             f"{r['vs_captured_dense']:.2f}x" if r["vs_captured_dense"] else "",
             f"{r['avg_budget_tokens']:.0f} / {r['avg_context_tokens']:.0f}" if r["avg_budget_tokens"] else "",

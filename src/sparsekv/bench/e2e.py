@@ -30,7 +30,6 @@ from sparsekv.bench.e2e_greedy import GREEDY_METHODS, GREEDY_TEXT, greedy_ids, g
 from sparsekv.bench.e2e_measure import cache_bytes, profile_step
 from sparsekv.bench.e2e_model import DEFAULT_SHAPE, MODELS, build_model, check_fits, fit_layers
 from sparsekv.bench.e2e_run import (
-    COMPILE_RECOMPILE_LIMIT,
     Setup,
     compiled_forward,
     model_prefill,
@@ -41,6 +40,7 @@ from sparsekv.bench.e2e_run import (
     synthetic_fill,
 )
 from sparsekv.bench.e2e_suite import GEMFILTER_LLAMA, device_suite, profile_lines, suite_table
+from sparsekv.graph_decode import COMPILE_RECOMPILE_LIMIT
 
 __all__ = [
     "COMPILE_RECOMPILE_LIMIT",

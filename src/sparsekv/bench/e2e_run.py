@@ -11,6 +11,7 @@ import torch
 from sparsekv.bench.e2e_measure import Clock, cache_bytes, free_memory, peak_above, profile_step, reset_peak
 from sparsekv.bench.e2e_model import build_model, check_fits
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.graph_decode import compile_for_decode
 from sparsekv.hf_compat import cache_kwargs
 
 
@@ -88,25 +89,11 @@ class Setup:
     compile: bool = False
 
 
-#: transformers releases that take the cache as `cache` wrap every forward in one argument-renaming function, which
-#: dynamo compiles once per wrapped forward around the graph breaks (model, decoder, layer, attention: up to 10)
-COMPILE_RECOMPILE_LIMIT = 16
-
-
 def compiled_forward(model, backend: str = "inductor"):
-    """The model's call through torch.compile, for decode steps. The cache update and the attention call stay
-    outside the compiled graphs (both are `torch.compiler.disable`d: they hold Python state that changes every
-    step); what compiles is the rest of each layer: norms, projections, rotary embedding, MLP, residuals.
-    The whole module is compiled, not `model.forward`: its forward pre-hook (`sparsekv.enable`'s) attaches the
-    cache that the attention reads. Layer indices stay unspecialised, so the layers share one graph instead of
-    one graph each (which would pass dynamo's recompile limit of 8 and leave the later layers uncompiled)."""
-    compiled = torch.compile(model, backend=backend)
-
-    def forward(**kwargs):
-        with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True, recompile_limit=COMPILE_RECOMPILE_LIMIT):
-            return compiled(**kwargs)
-
-    return forward
+    """The model's call through torch.compile (`graph_decode.compile_for_decode`), for decode steps. The whole
+    module is compiled, not `model.forward`: its forward pre-hook (`sparsekv.enable`'s) attaches the cache that the
+    attention reads."""
+    return compile_for_decode(model, backend=backend)
 
 
 def _decode_step(model, cache, compile: bool = False):

@@ -12,7 +12,8 @@ The same random prompts through, in turn:
 Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a one-shot prefill of a long batch does
 not fit the GPU). The time of each generated token is taken by a streamer (transformers hands it each token as
 it is produced); TPOT is the mean over the steps after `warmup` (the first steps compile kernels and graphs), so
-the prefill is not in it. Peak memory and, for the methods, the tokens attended per step (from the cache's stats)
+the prefill is not in it. `step_ms` is the captured step replayed alone once the last token is out (CUDA): TPOT
+over it is what generate()'s own loop adds to each step. Peak memory and, for the methods, the tokens attended per step (from the cache's stats)
 are reported beside it, and how the decode steps ran (`decode_paths`: CUDA graph replays, or eager and why).
 """
 
@@ -38,19 +39,40 @@ def method_of(row: str) -> str:
 
 
 class _TokenClock:
-    """A transformers streamer that records when each token reaches the host (the first `put` is the prompt)."""
+    """A transformers streamer that records when each token reaches the host (the first `put` is the prompt).
 
-    def __init__(self, device: torch.device) -> None:
+    at_last: called once the last of `puts` tokens has reached the host, while generate() still holds its cache."""
+
+    def __init__(self, device: torch.device, puts: int | None = None, at_last=None) -> None:
         self.device = device
         self.times: list[float] = []
+        self.puts, self.at_last = puts, at_last
 
     def put(self, _tokens) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.times.append(time.perf_counter())
+        if self.at_last is not None and len(self.times) == self.puts:
+            self.at_last()
 
     def end(self) -> None:
         pass
+
+
+def replay_ms(graph_decode, device: torch.device, replays: int = 20) -> float | None:
+    """Milliseconds per replay of the captured decode step alone (no generate() loop around it), or None where
+    no graph was captured. Each replay repeats the last step: it rewrites that step's token in its slot with the
+    same values (the cache is unchanged) and adds the same counts to the stats once more (their means stay)."""
+    graph = graph_decode.graph
+    if graph is None or device.type != "cuda":
+        return None
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize(device)
+    return 1e3 * (time.perf_counter() - start) / replays
 
 
 def config_for(row: str, budget: float, top_p: float | None) -> SparseConfig | None:
@@ -69,8 +91,15 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     import sparsekv
 
     device = ids.device
-    clock = _TokenClock(device)
     steps = new_tokens + warmup + 1
+    runtime = []  # the row's SparseRuntime, once enabled
+    step = {}
+
+    def time_the_step_alone() -> None:
+        if runtime:
+            step["ms"] = replay_ms(runtime[0].graph, device)
+
+    clock = _TokenClock(device, steps + 1, time_the_step_alone)
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps, "min_new_tokens": steps,
               "do_sample": False, "streamer": clock, "prefill_chunk_size": prefill_chunk_size, "pad_token_id": 0}
     if row == "hf-static-compile":
@@ -90,6 +119,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
             graph_decode = False if row.endswith(EAGER_SUFFIX) else None
             compile_step = row.endswith(COMPILE_SUFFIX)
             with sparsekv.enabled(model, config, graph_decode=graph_decode, compile_step=compile_step) as rt:
+                runtime.append(rt)
                 model.generate(ids, **kwargs)
                 stats = sparsekv.last_cache(model).stats.summary()
                 paths = dict(rt.graph.steps)
@@ -100,6 +130,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     tpot = (timed[-1] - times[1 + warmup]) / len(timed)
     result.update(
         tpot_ms=1e3 * tpot,
+        step_ms=step.get("ms"),
         tokens_per_s=ids.shape[0] / tpot,
         prefill_s=times[1] - times[0],
         peak_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
