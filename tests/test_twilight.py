@@ -232,6 +232,29 @@ def test_bad_settings_raise():
         SparseConfig(method="twilight", options={"base": "nope"})
 
 
+def test_default_twilight_is_lsh_candidates_at_a_quarter_pruned_at_p_095():
+    """The default base is lsh (the best oracle-free base on held-out text, results/twilight_bases_4k.md): the
+    candidates of `method="twilight"` with nothing set are exactly a plain lsh selector's at 25%."""
+    from sparsekv.selectors.twilight import DEFAULT_BASE, TwilightSelector
+
+    config = SparseConfig(method="twilight")
+    assert DEFAULT_BASE == "lsh" and config.budget == 0.25
+    selector = TwilightSelector(config, LAYER)
+    assert selector.base == "lsh" and selector.pruner.p == 0.95 and selector.pruner.bits == 4
+    lsh = get_method_class("lsh")(SparseConfig(method="lsh", budget=0.25), LAYER)
+    step = make_step(n=64, q_len=4, seed=3)
+    step = step.replace(
+        budgets=torch.tensor([[config.tokens_for(int(v)) for v in row] for row in step.visible.sum(-1)])
+    )
+    for method in (selector, lsh):
+        method.prefill(step.keys[..., :60, :], step.values[..., :60, :], step.query)
+        method.append(step.keys[..., 60:, :], step.values[..., 60:, :])
+    candidates, expected = selector.candidates(step), lsh.select(step)
+    assert torch.equal(candidates.indices, expected.indices) and torch.equal(candidates.valid, expected.valid)
+    pruned = selector.select(step)
+    assert (pruned.counts() <= candidates.counts()).all() and (pruned.counts() < candidates.counts()).any()
+
+
 # ------------------------------------------------------------------------------------------ on a tiny model
 
 

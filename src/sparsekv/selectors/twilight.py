@@ -1,14 +1,23 @@
 """Twilight: a base selector at a conservative budget, then top-p pruning of its candidates (select-then-prune).
 
-`SparseConfig(method="twilight", budget=0.25, top_p=0.95)` is the oracle-free default: Quest picks budget tokens
-(1/4 of the context is the recommended, conservative budget), then the INT4-estimated top-p pruner keeps the
-smallest subset with mass >= top_p per kv-head group (gqa="group") or query head (gqa="head").
+`SparseConfig(method="twilight", budget=0.25, top_p=0.95)` is the oracle-free default: LSH (1024-bit SimHash of
+centred keys, training-free) picks budget tokens (1/4 of the context is the recommended, conservative budget), then
+the INT4-estimated top-p pruner keeps the smallest subset with mass >= top_p per kv-head group (gqa="group") or
+query head (gqa="head").
 
 The same pruner runs after any other method with `top_p` set (e.g. `method="lsh", top_p=0.9`); `twilight` is that
 pipeline with its own options (`base`, `bits`) and a default p.
 
-The pruner can only drop candidates, so the candidates bound the quality: on the default 135M model quest@25% is
-already 1.06x dense perplexity (4K windows) and even exact page ranking at 25% is 1.02x (results/twilight_ppl.md).
+The pruner can only drop candidates, so the candidates bound the quality. Measured on held-out literature (4K
+windows, 512-token dense prefix, p = 0.95; results/twilight_bases_4k.md): over lsh@25% 1.022x dense keeping 146
+tokens, over spotlight@25% 1.026x (135), over exact top-k@25% 1.021x (175), over quest@25% 1.061x (100); exact
+top-p 0.95 over all tokens is 1.008x at 290 tokens. Quest's page-level candidates are the weakest (quest@25% alone
+is already about 1.06x dense on the essays, results/twilight_ppl.md), so lsh, the best base that needs no
+training, is the default.
+
+A compressed cache (self-index) cannot be a base: its layers hold only the method's compressed K/V and hand
+attention a stand-in, so twilight would have to keep K/V itself (feed its key copy from `store`, attend through the
+base's store) for that base only, while lossless decoding decides from the method's class whether K/V are kept.
 """
 
 from __future__ import annotations
@@ -23,12 +32,12 @@ from sparsekv.pruners.top_p import SUPPORTED_BITS, TopPPruner
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector
 
 DEFAULT_TOP_P = 0.95
-DEFAULT_BASE = "quest"
+DEFAULT_BASE = "lsh"
 FALLBACK_BASE = "oracle-topk"
 
 
 def resolve_base(name: str) -> str:
-    """The base method actually used (the default falls back to oracle-topk while quest is not in this build)."""
+    """The base method actually used (the default falls back to oracle-topk if it is not in this build)."""
     from sparsekv.registry import METHODS
 
     if name == DEFAULT_BASE and name not in METHODS:
@@ -42,8 +51,9 @@ def resolve_base(name: str) -> str:
 
 @dataclass
 class TwilightSelector(TokenSelector):
-    """Options: base = the candidate selector (a registered method, default quest), its budget = config.budget;
-    bits = precision of the key copy that estimates the candidates' weights (2, 4 or 8; default 4).
+    """Options: base = the candidate selector (a registered method with its own default options; default lsh),
+    its budget = config.budget; bits = precision of the key copy that estimates the candidates' weights (2, 4 or 8;
+    default 4).
     top_p defaults to 0.95 when the config leaves it unset."""
 
     name = "twilight"
@@ -70,7 +80,7 @@ class TwilightSelector(TokenSelector):
         if base_class.dense or base_class.stores_kv or base_class.consumes_top_p:
             raise ConfigError(
                 f"twilight: base {base!r} cannot provide candidates (dense, compressed-cache or top-p methods "
-                "are not supported); use a token selector such as quest or oracle-topk"
+                "are not supported); use a token selector such as lsh, spotlight, quest or oracle-topk"
             )
 
     def __post_init__(self) -> None:
