@@ -209,6 +209,25 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
     assert torch.equal(fixed.select(more).to_mask(total), eager.select(more).to_mask(total))
 
 
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("gqa", ["group", "head"])
+def test_quest_fixed_shape_step_with_the_device_select_keeps_the_eager_set(monkeypatch, page_size, gqa):
+    """On CUDA quest's fixed-shape step selects with the integer histogram select; here its reference rule runs in
+    its place (off CUDA the selector ranks the whole row instead)."""
+    from sparsekv.selectors import quest
+    from sparsekv.selectors.base import _fixed_int_topk_core
+
+    ranges = []
+
+    def device_select(scores, step, value_range):
+        ranges.append(value_range)
+        return _fixed_int_topk_core(scores, step, value_range)
+
+    monkeypatch.setattr(quest, "fixed_int_topk_selection", device_select)
+    test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("quest", {"page_size": page_size}, gqa)
+    assert ranges and all(hi == ((75 - 1) // page_size + 3) * page_size - 1 for _, hi in ranges)  # capacity 75
+
+
 def test_sparsekv_generate_decodes_through_the_same_path(real_model):
     model, tokenizer = real_model
     text = "Write a long story about a lighthouse keeper and a storm. " * 20

@@ -15,7 +15,13 @@ import torch
 
 from sparsekv.config import ConfigError
 from sparsekv.kernels.quest import quest_page_scores
-from sparsekv.selectors.base import DecodeStep, TokenSelector
+from sparsekv.selectors.base import (
+    DecodeStep,
+    Selection,
+    TokenSelector,
+    fixed_int_topk_selection,
+    topk_selection,
+)
 from sparsekv.selectors.lsh import unique_ranks
 
 
@@ -140,3 +146,14 @@ class QuestSelector(TokenSelector):
         key = token_rank * size + offset[:, None, None, :]
         own = token_page[:, None, None, :] == query_page[:, None, :, None]
         return torch.where(own, float((pages + 1) * size) + offset[:, None, None, :], key)
+
+    def select(self, step: DecodeStep) -> Selection:
+        scores = self.score(step)
+        if step.hints is not None and step.hints.fixed:
+            # the ranking keys are distinct integers below (pages + 2) x page_size: the sort-free histogram select
+            # on the device (None elsewhere), the same set as ranking the whole row
+            pages = (scores.shape[-1] - 1) // self.page_size + 1
+            value_range = (0, (pages + 2) * self.page_size - 1)
+            if (selection := fixed_int_topk_selection(scores, step, value_range)) is not None:
+                return selection
+        return topk_selection(scores, step)
