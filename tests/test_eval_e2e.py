@@ -175,3 +175,15 @@ def test_real_model_ppl_is_sane_and_oracle_approaches_dense(real_model):
     half = run_ppl(handle, SparseConfig(method="oracle-topk", budget=0.5), settings)
     assert 5 < dense["ppl"] < 80
     assert dense["ppl"] * 0.97 < half["ppl"] < dense["ppl"] * 1.1
+
+
+def test_result_json_records_the_options_a_method_ran_with():
+    """The config block of every eval JSON: the options given, and every option at the value the run used."""
+    from sparsekv.eval.common import config_dict
+
+    twilight = config_dict(SparseConfig(method="twilight"))
+    assert twilight["options"] == {} and twilight["top_p"] is None
+    assert twilight["effective_options"] == {"base": "lsh", "bits": 4, "top_p": 0.95}
+    lsh = config_dict(SparseConfig(method="lsh", budget=0.1, options={"bits": 256}))
+    assert lsh["effective_options"]["bits"] == 256 and lsh["effective_options"]["variant"] == "simhash"
+    json.dumps(config_dict(SparseConfig(method="self-index", budget=0.1)))  # JSON-able as written

@@ -166,7 +166,8 @@ def describe(config: SparseConfig) -> str:
 
 
 def config_dict(config: SparseConfig) -> dict:
-    """What the JSON outputs report about a config."""
+    """What the JSON outputs report about a config: the settings given, and in `effective_options` every option
+    the method ran with (its defaults included, e.g. twilight's base and p)."""
     return {
         "method": config.method,
         "budget": None if is_dense(config) else config.budget,
@@ -176,6 +177,7 @@ def config_dict(config: SparseConfig) -> dict:
         "local": config.local,
         "gqa": config.gqa,
         "options": dict(config.options),
+        "effective_options": get_method_class(config.method).effective_options(config),
     }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import Field, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -471,6 +471,19 @@ class TokenSelector:
         """The method's options: its init fields beyond the ones every selector has (`registry.method_options`)."""
         shared = {f.name for f in fields(TokenSelector)}
         return {f.name: f for f in fields(cls) if f.name not in shared and f.init}
+
+    @classmethod
+    def effective_options(cls, config: SparseConfig) -> dict:
+        """What a run of `config` uses for each option: the given value, else the method's default."""
+        values = {}
+        for name, option in cls.option_fields().items():
+            if name in config.options:
+                values[name] = config.options[name]
+            elif option.default is not MISSING:
+                values[name] = option.default
+            elif option.default_factory is not MISSING:
+                values[name] = option.default_factory()
+        return values
 
     def prefill(
         self,

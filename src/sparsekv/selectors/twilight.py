@@ -83,6 +83,11 @@ class TwilightSelector(TokenSelector):
                 "are not supported); use a token selector such as lsh, spotlight, quest or oracle-topk"
             )
 
+    @classmethod
+    def effective_options(cls, config) -> dict:
+        # the p that prunes, when the config leaves it to the method
+        return super().effective_options(config) | {"top_p": config.top_p if config.top_p is not None else DEFAULT_TOP_P}
+
     def __post_init__(self) -> None:
         from sparsekv.registry import get_method_class
 
