@@ -13,8 +13,9 @@ Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a o
 not fit the GPU). The time of each generated token is taken by a streamer (transformers hands it each token as
 it is produced); TPOT is the mean over the steps after `warmup` (the first steps compile kernels and graphs), so
 the prefill is not in it. `step_ms` is the captured step replayed alone once the last token is out (CUDA): TPOT
-over it is what generate()'s own loop adds to each step. Peak memory and, for the methods, the tokens attended per step (from the cache's stats)
-are reported beside it, and how the decode steps ran (`decode_paths`: CUDA graph replays, or eager and why).
+over it is what generate()'s own loop adds to each step. Peak memory and, for the methods, the tokens attended
+per step (from the cache's stats) are reported beside it, and how the decode steps ran (`decode_paths`: CUDA graph
+replays, or eager and why).
 """
 
 from __future__ import annotations
