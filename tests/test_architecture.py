@@ -24,7 +24,7 @@ PACKAGE = "sparsekv"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("cli.py", "cli_*.py", "*/cli.py")),
     ("tools", ("eval/", "bench/", "training/")),
-    ("api", ("__init__.py", "api.py")),
+    ("api", ("__init__.py", "api.py", "lossless.py")),
     ("decode", ("cache.py", "attention.py", "graph_decode.py")),
     ("methods", ("selectors/", "pruners/", "prefill/")),
     ("kernels", ("kernels/",)),

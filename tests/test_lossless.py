@@ -51,6 +51,44 @@ def test_lossy_decoding_differs_where_lossless_does_not(real_model, long_prompt,
     assert lossy.new_token_ids != dense_tokens.new_token_ids
 
 
+def test_model_generate_in_lossless_mode_is_hf_dense_generate_token_for_token(real_model, long_prompt):
+    """`enabled(..., lossless=True)`: `model.generate()` itself drafts sparsely and verifies densely, and its output
+    is plain transformers greedy generation's; the same method without lossless leaves that trajectory."""
+    model, tokenizer = real_model
+    ids = tokenizer(long_prompt, return_tensors="pt").input_ids[:, :1024]
+    dense = model.generate(ids, max_new_tokens=32, do_sample=False)
+    config = SparseConfig(method="quest", budget=0.02)
+    with sparsekv.enabled(model, config):
+        lossy = model.generate(ids, max_new_tokens=32, do_sample=False)
+    with sparsekv.enabled(model, config, lossless=True, draft_tokens=3) as runtime:
+        lossless = model.generate(ids, max_new_tokens=32, do_sample=False)
+        kept = sparsekv.last_cache(model).stats.summary()
+    assert torch.equal(lossless, dense) and not torch.equal(lossy, dense)
+    drafts = runtime.drafts
+    assert drafts.verifications > 0 and drafts.drafted <= 3 * drafts.verifications
+    assert 0 < drafts.acceptance_rate < 1 and drafts.tokens_per_verification > 1
+    assert kept["avg_budget_tokens"] < 0.05 * kept["avg_context_tokens"]  # the drafts really were sparse
+
+
+def test_lossless_model_generate_refuses_what_it_does_not_do(real_model):
+    model, tokenizer = real_model
+    ids = tokenizer("The lighthouse keeper climbed the stairs.", return_tensors="pt").input_ids
+    with sparsekv.enabled(model, SparseConfig(method="lsh", budget=0.1), lossless=True):
+        with pytest.raises(ConfigError, match="greedily"):
+            model.generate(ids, max_new_tokens=4, do_sample=True)
+        with pytest.raises(ConfigError, match="num_beams"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, num_beams=2)
+        with pytest.raises(ConfigError, match="left-padded"):
+            model.generate(ids, attention_mask=torch.cat([ids.new_ones(1, 3), ids.new_zeros(1, ids.shape[1] - 3)], 1),
+                           max_new_tokens=4, do_sample=False)  # fmt: skip
+        assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
+    for bad, match in ((SparseConfig(method="self-index"), "compressed"), (SparseConfig(method="dense"), "densely")):
+        with pytest.raises(ConfigError, match=match):
+            sparsekv.enable(model, bad, lossless=True)
+    with pytest.raises(ConfigError, match="draft_tokens"):
+        sparsekv.enable(model, SparseConfig(method="lsh"), lossless=True, draft_tokens=0)
+
+
 @pytest.mark.parametrize("method", ["h2o", "self-index", "dense"])
 def test_lossless_refuses_methods_that_cannot_be_verified(real_model, method):
     model, tokenizer = real_model

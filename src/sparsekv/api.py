@@ -16,7 +16,16 @@ from sparsekv.attention import ATTENTION_NAME, RUNTIME_ATTR, SparseRuntime, regi
 from sparsekv.cache import SparseCache, cache_memory, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.graph_decode import GraphDecode
-from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, cache_kwargs, check_transformers_version
+from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, check_transformers_version
+from sparsekv.lossless import (
+    Decoder,
+    DraftCounts,
+    Sampler,
+    check_lossless,
+    generate_losslessly,
+    prefill,
+    speculate,
+)
 from sparsekv.registry import get_method_class
 
 _STATE_ATTR = "_sparsekv_enabled"
@@ -82,6 +91,8 @@ def enable(
     prompt_filtered: bool = False,
     graph_decode: bool | None = None,
     compile_step: bool = False,
+    lossless: bool = False,
+    draft_tokens: int = 4,
 ) -> SparseRuntime:
     """Makes `model` decode with `config`; `model.generate()` and plain forwards then use a SparseCache.
 
@@ -105,6 +116,11 @@ def enable(
     it: Inductor fuses the many small kernels of the layers' norms, rotary embeddings, activations and residual
     adds (the cache update and the attention stay as they are). The first captured step pays the compile time
     (about 10 s for 32 Llama-3-8B-shaped layers on an H200 host); needs graph_decode None or True.
+
+    lossless: `model.generate()` decodes by self-speculation (`sparsekv.lossless`): `draft_tokens` sparse steps
+    propose, one dense forward verifies, so the output is the dense model's greedy output token for token.
+    It takes input_ids, attention_mask (left padding), max_new_tokens, eos/pad ids and a streamer, greedy only, and
+    refuses any other generate() argument; `runtime.drafts` counts the last call's drafts (`acceptance_rate`).
     """
     if not isinstance(config, SparseConfig):
         raise ConfigError(f"enable() needs a SparseConfig, got {type(config).__name__}")
@@ -134,6 +150,10 @@ def enable(
         raise ConfigError(f"compile_step must be True or False, got {compile_step!r}")
     if compile_step and graph_decode is False:
         raise ConfigError("compile_step compiles the fixed-shape decode step, which graph_decode=False turns off")
+    if lossless not in (True, False):
+        raise ConfigError(f"lossless must be True or False, got {lossless!r}")
+    if lossless:
+        check_lossless(config, draft_tokens)
     runtime = SparseRuntime(config)
     for module in _attention_modules(model):
         setattr(module, RUNTIME_ATTR, runtime)
@@ -181,6 +201,9 @@ def enable(
 
     @functools.wraps(class_generate)
     def generate_knowing_the_prompt(*args, **kwargs):
+        if lossless:
+            runtime.drafts = DraftCounts()
+            return generate_losslessly(model, config, draft_tokens, runtime.drafts, args, kwargs)
         runtime.prompt_length = _prompt_length(args, kwargs)
         runtime.generation_length = _generation_length(model, runtime.prompt_length, kwargs)
         try:
@@ -218,10 +241,12 @@ def enabled(
     prompt_filtered: bool = False,
     graph_decode: bool | None = None,
     compile_step: bool = False,
+    lossless: bool = False,
+    draft_tokens: int = 4,
 ) -> Iterator[SparseRuntime]:
     """`enable` for the duration of a `with` block."""
     runtime = enable(model, config, prompt_filtered=prompt_filtered, graph_decode=graph_decode,
-                     compile_step=compile_step)  # fmt: skip
+                     compile_step=compile_step, lossless=lossless, draft_tokens=draft_tokens)  # fmt: skip
     try:
         yield runtime
     finally:
@@ -280,104 +305,6 @@ class GenerationResult:
         }
 
 
-class _Decoder:
-    """Forwards of new tokens after a left-padded prompt: the attention mask and positions follow the cache's
-    length, so that a rollback (`rewind`) is one call."""
-
-    def __init__(self, model, cache: SparseCache, prompt_mask: torch.Tensor) -> None:
-        self.model, self.cache, self.prompt_mask = model, cache, prompt_mask
-        self.last_position = (prompt_mask.sum(-1, keepdim=True) - 1).clamp(min=0)  # [B, 1]
-        self.decoded = 0  # tokens cached after the prompt
-
-    def __call__(self, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """tokens [B, n] -> logits [B, n, V] (or of the last position only)."""
-        n = tokens.shape[1]
-        mask = torch.cat([self.prompt_mask, self.prompt_mask.new_ones(len(tokens), self.decoded + n)], dim=-1)
-        offsets = torch.arange(self.decoded + 1, self.decoded + n + 1, device=tokens.device)
-        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=self.last_position + offsets,
-                            **cache_kwargs(self.model, self.cache), use_cache=True,
-                            logits_to_keep=0 if all_logits else 1).logits  # fmt: skip
-        self.decoded += n
-        return logits
-
-    def rewind(self, decoded: int) -> None:
-        self.cache.crop(decoded - self.decoded)
-        self.decoded = decoded
-
-
-class _Sampler:
-    """Greedy (temperature None) or sampling from softmax(logits / temperature) with its own generator."""
-
-    def __init__(self, temperature: float | None, seed: int | None, device: torch.device) -> None:
-        self.temperature = temperature
-        self.generator = torch.Generator(device=device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(logits.float() / self.temperature, dim=-1)
-
-    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, V] logits -> (tokens [B], their distribution [B, V] when sampling, else None)."""
-        if self.temperature is None:
-            return logits.argmax(-1), None
-        probs = self.probs(logits)
-        return self.sample(probs), probs
-
-    def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
-
-    def uniform(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return torch.rand(shape, generator=self.generator, device=device)
-
-
-def _verify(sampler: _Sampler, drafts: list[torch.Tensor], draft_probs: list, dense_logits: torch.Tensor):
-    """The dense model's verdict on the drafts: -> (how many each row accepts [B], each row's token after its
-    accepted prefix [B] as a function of the prefix length k kept for the whole batch).
-
-    Greedy: a draft stands while it equals the dense argmax. Sampling: the speculative-sampling rule, so every
-    emitted token is distributed exactly as the dense model's: draft d with draft probability q(d) is accepted
-    with probability min(1, p(d) / q(d)); at the first rejection the token is drawn from max(0, p - q),
-    normalised; after a full acceptance, from p."""
-    proposed = torch.stack(drafts[1:], dim=1)  # [B, gamma]
-    gamma = proposed.shape[1]
-    if sampler.temperature is None:
-        dense = dense_logits.argmax(-1)  # [B, gamma + 1]
-        agree = (dense[:, :gamma] == proposed).int().cumprod(-1).sum(-1)
-        return agree, lambda k: dense[:, k]
-    p = sampler.probs(dense_logits)  # [B, gamma + 1, V]
-    q = torch.stack(draft_probs, dim=1)  # [B, gamma, V]
-    p_d = p[:, :gamma].gather(-1, proposed[..., None])[..., 0]
-    q_d = q.gather(-1, proposed[..., None])[..., 0]
-    accept = sampler.uniform(p_d.shape, p_d.device) * q_d < p_d
-    agree = accept.int().cumprod(-1).sum(-1)
-
-    def token_after(k: int) -> torch.Tensor:
-        if k == gamma:
-            return sampler.sample(p[:, gamma])
-        residual = (p[:, k] - q[:, k]).clamp(min=0)
-        empty = residual.sum(-1, keepdim=True) <= 0
-        resampled = sampler.sample(torch.where(empty, p[:, k], residual))  # multinomial normalises
-        return torch.where(agree > k, proposed[:, k], resampled)  # rows that accepted draft k + 1 keep it
-
-    return agree, token_after
-
-
-def _check_lossless(config: SparseConfig, draft_tokens: int) -> None:
-    method = get_method_class(config.method)
-    if method.dense or method.rewrites_prompt:
-        raise ConfigError(f"lossless decoding drafts with a sparse method; {config.method} decodes densely already")
-    if method.stores_kv:
-        raise ConfigError(
-            f"{config.method} keeps only its compressed K/V, so a dense step cannot verify its drafts; lossless "
-            "decoding needs a method that keeps the full K/V"
-        )
-    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
-        raise ConfigError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
-
-
 @torch.inference_mode()
 def generate(
     model,
@@ -421,7 +348,7 @@ def generate(
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if lossless:
-        _check_lossless(config, draft_tokens)
+        check_lossless(config, draft_tokens)
     if do_sample and not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
         raise ConfigError(f"temperature must be a number > 0, got {temperature!r}")
     device = next(model.parameters()).device
@@ -439,25 +366,18 @@ def generate(
         )
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
-    drafted = accepted = verifications = 0
+    counts = DraftCounts()
     with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode, compile_step=compile_step) as runtime, \
             contextlib.ExitStack() as graphs:  # fmt: skip
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         capacity = input_ids.shape[1] + max_new_tokens
         cache = SparseCache(config, layer_infos(model), initial_capacity=capacity)
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-            **cache_kwargs(model, cache),
-            use_cache=True,
-            logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
-        ).logits[:, -1]
+        logits = prefill(model, cache, input_ids, attention_mask)
         _synchronize(device)
         prefill_end = time.perf_counter()
-        decoder = _Decoder(model, cache, attention_mask)
-        sampler = _Sampler(temperature if do_sample else None, seed, device)
+        decoder = Decoder(model, cache, attention_mask)
+        sampler = Sampler(temperature if do_sample else None, seed, device)
         finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         generated: list[torch.Tensor] = []
 
@@ -476,24 +396,8 @@ def generate(
             if not lossless:
                 done = emit(sampler.draw(decoder(generated[-1][:, None])[:, -1])[0])
                 continue
-            base = decoder.decoded
-            gamma = min(draft_tokens, max_new_tokens - len(generated))
-            drafts, draft_probs = [generated[-1]], []
-            for _ in range(gamma):  # sparse steps propose
-                token, probs = sampler.draw(decoder(drafts[-1][:, None])[:, -1])
-                drafts.append(token)
-                draft_probs.append(probs)
-            decoder.rewind(base)
-            cache.attend_densely = True  # one dense forward checks every proposal at once
-            try:
-                dense_logits = decoder(torch.stack(drafts, dim=1), all_logits=True)  # [B, gamma + 1, V]
-            finally:
-                cache.attend_densely = False
-            agree, token_after = _verify(sampler, drafts, draft_probs, dense_logits)
-            k = int(agree[~finished].min()) if bool((~finished).any()) else gamma
-            drafted, accepted, verifications = drafted + gamma, accepted + k, verifications + 1
-            decoder.rewind(base + k + 1)  # keep the dense K/V of the last token and the accepted drafts
-            for token in [*drafts[1 : k + 1], token_after(k)][: max_new_tokens - len(generated)]:
+            room = max_new_tokens - len(generated)
+            for token in speculate(decoder, sampler, generated[-1], draft_tokens, room, finished, counts):
                 if done := emit(token):
                     break
         _synchronize(device)
@@ -512,8 +416,8 @@ def generate(
         decode_seconds=end - prefill_end,
         new_tokens=len(generated),
         cache_bytes=cache_memory(cache, capacity=False)["bytes_total"],
-        acceptance_rate=accepted / drafted if lossless and drafted else None,
-        tokens_per_verification=(accepted + verifications) / verifications if lossless and verifications else None,
+        acceptance_rate=counts.acceptance_rate if lossless else None,
+        tokens_per_verification=counts.tokens_per_verification if lossless else None,
         decode_paths=None if lossless else dict(runtime.graph.steps),
     )
 

@@ -39,6 +39,8 @@ class SparseRuntime:
     generation_length: int = 0  # the longest sequence of that call (0 outside one): the cache's capacity
     #: how `model.generate()` runs its decode steps (`sparsekv.graph_decode.GraphDecode`; set by `enable`)
     graph: GraphDecode | None = None
+    #: lossless `model.generate()`: the drafts of its latest call (`sparsekv.lossless.DraftCounts`)
+    drafts: object | None = None
 
 
 class CacheBypassedError(RuntimeError):
