@@ -76,6 +76,8 @@ def test_lossless_model_generate_refuses_what_it_does_not_do(real_model):
     with sparsekv.enabled(model, SparseConfig(method="lsh", budget=0.1), lossless=True):
         with pytest.raises(ConfigError, match="greedily"):
             model.generate(ids, max_new_tokens=4, do_sample=True)
+        with pytest.raises(ConfigError, match="use_cache"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
         with pytest.raises(ConfigError, match="num_beams"):
             model.generate(ids, max_new_tokens=4, do_sample=False, num_beams=2)
         with pytest.raises(ConfigError, match="left-padded"):

@@ -234,19 +234,9 @@ def disable(model) -> None:
 
 
 @contextlib.contextmanager
-def enabled(
-    model,
-    config: SparseConfig,
-    *,
-    prompt_filtered: bool = False,
-    graph_decode: bool | None = None,
-    compile_step: bool = False,
-    lossless: bool = False,
-    draft_tokens: int = 4,
-) -> Iterator[SparseRuntime]:
-    """`enable` for the duration of a `with` block."""
-    runtime = enable(model, config, prompt_filtered=prompt_filtered, graph_decode=graph_decode,
-                     compile_step=compile_step, lossless=lossless, draft_tokens=draft_tokens)  # fmt: skip
+def enabled(model, config: SparseConfig, **options) -> Iterator[SparseRuntime]:
+    """`enable` (with the same keyword options) for the duration of a `with` block."""
+    runtime = enable(model, config, **options)
     try:
         yield runtime
     finally:

@@ -189,6 +189,8 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int, counts: 
             f"lossless model.generate() takes {', '.join(_GENERATE_ARGUMENTS)}; got {unknown or 'extra positional arguments'} "
             "(for more, generate without lossless=True)"
         )
+    if kwargs.get("use_cache") is False:
+        raise ConfigError("lossless model.generate() decodes from its cache: use_cache=False cannot be honoured")
     generation = model.generation_config
     do_sample = kwargs.get("do_sample")
     if do_sample or (do_sample is None and generation.do_sample):
