@@ -254,3 +254,45 @@ def test_sliding_window_layers_keep_their_window_in_fixed_shape_steps(method):
     eager, _, _ = _generate(model, ids, config, graph_decode=False, steps=8, pad_token_id=0)
     tokens, steps, _ = _generate(model, ids, config, graph_decode=True, steps=8, pad_token_id=0)
     assert steps.get("fixed-shape") == 6 and torch.equal(tokens, eager)
+
+
+def test_dense_fallback_decodes_densely_below_its_threshold(real_model, prompt):
+    """A batch holding fewer cached tokens than `dense_below` takes the captured dense step: dense's tokens, every
+    visible token counted as attended, and the method's state still following the cache (the next generate, above
+    the threshold, selects again)."""
+    model, _ = real_model
+    steps = 12
+    dense, _, _ = _generate(model, prompt, SparseConfig(method="dense"), graph_decode=True, steps=steps)
+    config = SparseConfig(method="lsh", budget=0.05, dense_below=prompt.shape[1] + steps)
+    fallback, paths, cache = _generate(model, prompt, config, graph_decode=True, steps=steps)
+    assert torch.equal(fallback, dense)
+    assert paths["fixed-shape (dense fallback)"] == steps - 2 and "fixed-shape" not in paths
+    stats = cache.stats.summary()
+    assert stats["avg_budget_tokens"] == pytest.approx(stats["avg_context_tokens"])
+    # the fallback steps still wrote their keys' codes: the selector's codes are those of every cached key
+    from sparsekv.selectors.lsh import hash_codes
+
+    for layer in cache.layers:
+        if layer.selector is not None:
+            lsh = layer.selector
+            assert lsh.key_codes.length == layer.length
+            expected = hash_codes(layer.keys.float() - lsh.key_mean, lsh.projection)
+            assert torch.equal(lsh.key_codes.view(), expected)
+    # just at the threshold the method's own step runs
+    at = SparseConfig(method="lsh", budget=0.05, dense_below=prompt.shape[1])
+    _, paths, _ = _generate(model, prompt, at, graph_decode=True, steps=steps)
+    assert paths["fixed-shape"] == steps - 2
+
+
+def test_dense_fallback_defaults_to_the_methods_crossover_on_cuda_only():
+    config = SparseConfig(method="spotlight")
+    from sparsekv.registry import get_method_class
+
+    assert config.fallback_threshold("cpu") == 0
+    assert config.fallback_threshold("cuda") == get_method_class("spotlight").dense_below
+    assert SparseConfig(method="spotlight", dense_below=0).fallback_threshold("cuda") == 0
+    for bad in (-1, 1.5, True, "32k"):
+        with pytest.raises(ConfigError, match="dense_below"):
+            SparseConfig(method="spotlight", dense_below=bad)
+    with pytest.raises(ConfigError, match="no dense fallback"):
+        SparseConfig(method="self-index", dense_below=4096)

@@ -201,6 +201,11 @@ def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCac
         budgets = lambda: token_budgets(config, visible(), forced())
     step = DecodeStep(query, key, value, visible, forced, budgets, selector.layer, config.gqa, hints)
     selection = selector.select(step)
+    if cache.decodes_densely(batch * num_keys):
+        # the dense fallback (`SparseConfig.dense_below`); the selection above brought the method's state up to date
+        if cache.record_stats:
+            cache.stats.record_all_visible(module.layer_idx, step.visible, selection.indices.shape[1])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
     if pruner is not None:
         selection = pruner.prune(step, selection)
     if cache.record_stats:
@@ -225,6 +230,14 @@ def _fixed_step_masks(cache: SparseCache, batch: int, q_len: int) -> dict[str, t
     return rows | {"written": shared["written"]}
 
 
+def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`BudgetStats.fixed_step_stats` of the step in flight for `rows` selection rows, built once per step."""
+    name = f"stats{rows}"
+    if name not in cache.fixed_step:
+        cache.fixed_step[name] = cache.stats.fixed_step_stats(cache.fixed_step["written"], rows)
+    return cache.fixed_step[name]
+
+
 def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
     """[1, 1, capacity]: the cached slots within the last `window` positions of the step's token (itself
     included), as a sliding-window layer sees them; built once per step and window."""
@@ -245,6 +258,15 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     visible = shared["visible"]  # [B, 1, capacity]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     selector = layer.selector
+    if selector is not None and cache.fixed_dense:
+        # the dense fallback (`SparseConfig.dense_below`): the method's state still follows the cache
+        selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
+        if cache.record_stats:  # every visible token attended, as the selection rows of the method would count
+            info = selector.layer
+            heads = info.num_kv_heads if cache.config.gqa == "group" else info.num_heads
+            rows = batch * heads * q_len
+            cache.stats.add_all_visible(module.layer_idx, *_fixed_stats(cache, rows), shared["written"], rows)
+        selector = None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
         info = cache.infos[module.layer_idx]
         if info.sliding:  # its window of the latest tokens only
@@ -262,9 +284,6 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
                       hints)  # fmt: skip
     selection = selector.select(step)
     if cache.record_stats:
-        rows = selection.indices.shape[:-1].numel()
-        if f"stats{rows}" not in cache.fixed_step:  # once per step (and row count)
-            cache.fixed_step[f"stats{rows}"] = cache.stats.fixed_step_stats(shared["written"], rows)
-        cache.stats.add(module.layer_idx, selection, *cache.fixed_step[f"stats{rows}"])
+        cache.stats.add(module.layer_idx, selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

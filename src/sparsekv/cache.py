@@ -255,6 +255,15 @@ class BudgetStats:
         else:
             self._pending.append((layer_idx, kept.to(torch.int32), seen.to(torch.int32)))
 
+    def record_all_visible(self, layer_idx: int, visible: torch.Tensor, heads: int) -> None:
+        """`record` for a step whose rows attended every visible token (the dense fallback); visible [B, Q, N]."""
+        seen = visible.sum(-1)[:, None].expand(-1, heads, -1).flatten()
+        if seen.device.type == "cpu":
+            self._kept[layer_idx].append(seen.to(torch.int32))
+            self._seen[layer_idx].append(seen.to(torch.int32))
+        else:
+            self._pending.append((layer_idx, seen.to(torch.int32), seen.to(torch.int32)))
+
     def prepare_sums(self, device: torch.device) -> None:
         """Allocates the device sums (outside any CUDA graph capture, so every replay adds to the same tensor)."""
         if self._sums is None or self._sums.device != device:
@@ -265,6 +274,11 @@ class BudgetStats:
         rows, times `per_kept` ([1, 0, 1 / visible, 0]: every row of such a step sees the same tokens), plus
         `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
         self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
+
+    def add_all_visible(self, layer_idx: int, per_kept: torch.Tensor, fixed: torch.Tensor, seen: torch.Tensor,
+                        rows: int) -> None:  # fmt: skip
+        """`add` for a fixed-shape step whose `rows` rows each attended all `seen` ([1]) visible tokens."""
+        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, seen.double() * rows)
 
     @staticmethod
     def fixed_step_stats(seen: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,6 +397,11 @@ class SparseCache(Cache):
         self.fixed_visible: torch.Tensor | None = None
         self.fixed_slots: torch.Tensor | None = None  # arange(capacity)
         self.fixed_start = 0  # tokens cached when fixed-shape decoding began
+        #: the dense fallback (`SparseConfig.dense_below`): decode steps over fewer cached tokens (over the batch)
+        #: attend densely; set by `GraphDecode` for the generations it runs (0 elsewhere: evaluation)
+        self.fallback_threshold = 0
+        #: the fixed-shape steps attend densely: the fallback held when they began
+        self.fixed_dense = False
         #: what every layer of the step in flight shares (built by the first layer that needs it, in the graph)
         self.fixed_step: dict[str, torch.Tensor] = {}
 
@@ -416,8 +435,10 @@ class SparseCache(Cache):
         read or written by the step, so one CUDA graph replays every step (`sparsekv.graph_decode`)."""
         if (why := self.fixed_shape_refusal(capacity)) is not None:
             raise ConfigError(f"fixed-shape decoding is not available: {why}")
-        device = self.layers[0]._key_buffer.device
+        buffer = self.layers[0]._key_buffer
+        device = buffer.device
         length = self.fixed_start = self.layers[0].length
+        self.fixed_dense = self.decodes_densely((length + 1) * buffer.shape[0])  # the first step's keys
         self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
         self.fixed_slots = torch.arange(capacity, device=device)
         self.fixed_visible = torch.zeros(1, 1, capacity, dtype=torch.bool, device=device)
@@ -425,6 +446,11 @@ class SparseCache(Cache):
         for layer in self.layers:
             layer.begin_fixed_shape(self.fixed_position, capacity)
         self.prepare_fixed_step()
+
+    def decodes_densely(self, cached_tokens: int) -> bool:
+        """Whether a decode step over `cached_tokens` keys (its own included, summed over the batch) takes the
+        dense fallback."""
+        return cached_tokens < self.fallback_threshold
 
     def prepare_fixed_step(self) -> None:
         """Points the step at its position (device ops only: a CUDA graph captures them with the step)."""

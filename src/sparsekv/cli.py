@@ -83,6 +83,7 @@ def build_config(
     local: int = 0,
     gqa: str = "group",
     options: list[str] | None = None,
+    dense_below: int | None = None,
 ) -> SparseConfig:
     return SparseConfig(
         method=method,
@@ -93,6 +94,7 @@ def build_config(
         local=local,
         gqa=gqa,
         options=parse_options(options),
+        dense_below=dense_below,
     )
 
 
@@ -102,6 +104,9 @@ BudgetOpt = Annotated[
 ]
 TopPOpt = Annotated[Optional[float], typer.Option("--top-p", help="prune candidates to attention mass p")]
 DenseLayersOpt = Annotated[str, typer.Option(help="comma-separated layers kept dense")]
+DenseBelowOpt = Annotated[Optional[int], typer.Option(
+    help="CUDA graph decode steps attend densely below this many cached tokens (over the batch); default: the "
+    "method's measured crossover; 0: never")]
 OptionOpt = Annotated[Optional[list[str]], typer.Option("--option", "-o", help="method option key=value")]
 ModelOpt = Annotated[str, typer.Option(help="'default', an HF id, a local HF dir or a .gguf file")]
 DeviceOpt = Annotated[str, typer.Option(help="cpu, cuda, cuda:1, ...")]
@@ -151,6 +156,7 @@ def generate(
     local: int = 0,
     gqa: str = "group",
     option: OptionOpt = None,
+    dense_below: DenseBelowOpt = None,
     max_new_tokens: int = 32,
     raw: Annotated[bool, typer.Option(help="do not apply the chat template")] = False,
     lossless: Annotated[
@@ -171,7 +177,7 @@ def generate(
     import sparsekv
     from sparsekv.models import chat_prompt
 
-    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option)
+    config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option, dense_below)
     loaded, tokenizer = load(model, device, dtype)
     text = prompt if raw else chat_prompt(tokenizer, prompt)
     result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens, lossless=lossless,

@@ -31,6 +31,12 @@ class SparseConfig:
     gqa: "group" = one selection per kv-head serving all its query heads (scores summed over the group);
         "head" = one selection per query head.
     options: method-specific settings (e.g. {"bits": 256} for lsh); unknown keys are rejected by the method.
+    dense_below: the dense fallback of generation (`model.generate()`, `sparsekv.generate`, unless graph_decode
+        is False): a decode step whose batch holds fewer cached tokens than this (tokens x sequences) attends
+        densely, where the method's step would be the slower one; a CUDA graph decides once, when it is captured,
+        for the rest of the generation. The selectors' state is kept all the same, and the stats count every
+        visible token as attended. None = the method's measured crossover on CUDA (`TokenSelector.dense_below`),
+        no fallback on CPU; 0 = never. Forwards outside generation (evaluation) always run the method.
     """
 
     method: str = "dense"
@@ -41,6 +47,7 @@ class SparseConfig:
     local: int = 0
     gqa: GQAPolicy = "group"
     options: dict[str, Any] = field(default_factory=dict)
+    dense_below: int | None = None
 
     def __post_init__(self) -> None:
         # the registry imports no method module until asked (importlib), and none of sparsekv above errors.py
@@ -74,6 +81,15 @@ class SparseConfig:
             raise ConfigError(
                 f"sink ({self.sink}) + local ({self.local}) tokens exceed the budget ({budget}); "
                 "they count inside it"
+            )
+        if self.dense_below is not None and (
+            isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0
+        ):
+            raise ConfigError(f"dense_below must be an int >= 0 (cached tokens over the batch) or None, got {self.dense_below!r}")
+        if self.dense_below and get_method_class(self.method).stores_kv:
+            raise ConfigError(
+                f"{self.method} keeps only its compressed K/V, so it has no dense fallback: leave dense_below unset "
+                "or 0"
             )
         if self.gqa not in GQA_POLICIES:
             raise ConfigError(f"gqa must be one of {', '.join(GQA_POLICIES)}, got {self.gqa!r}")
@@ -109,6 +125,13 @@ class SparseConfig:
             raise ConfigError(
                 f"dense layer(s) {bad} out of range: the model has {num_layers} layers (0..{num_layers - 1})"
             )
+
+    def fallback_threshold(self, device_type: str) -> int:
+        """Cached tokens (over the batch) below which a decode step of generation on a `device_type` device
+        ("cuda", "cpu") attends densely (`dense_below`)."""
+        if self.dense_below is not None:
+            return self.dense_below
+        return get_method_class(self.method).dense_below if device_type == "cuda" else 0
 
     def tokens_for(self, visible: int) -> int:
         """Budget in tokens for a query that sees `visible` tokens (before sink/local are forced in): the rule of

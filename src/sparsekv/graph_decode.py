@@ -63,7 +63,8 @@ class GraphDecode:
         self.compile_step = compile_step
         self._compiled = None
         self.accepts_cache_position = "cache_position" in inspect.signature(forward).parameters
-        #: how the latest forward ran: "graph", "fixed-shape" (CPU), or "eager: <why>"
+        #: how the latest forward ran: "graph", "fixed-shape" (CPU), either with " (dense fallback)" where the
+        #: step attended densely (`SparseConfig.dense_below`), or "eager: <why>"
         self.path = "eager: no forward yet"
         #: decode steps per path of the latest generate() call
         self.steps: dict[str, int] = {}
@@ -98,6 +99,10 @@ class GraphDecode:
             if self.cache is not None:
                 self.cache.end_fixed_shape()
             self._reset(cache if isinstance(cache, SparseCache) else None)
+            ids = kwargs.get("input_ids")
+            if self.cache is not None and self.mode is not False and ids is not None:
+                # the generations this runs take the dense fallback where the method's step would be slower
+                self.cache.fallback_threshold = self.cache.config.fallback_threshold(ids.device.type)
         why = self._refusal(args, kwargs)
         if why is not None:
             if self.cache is not None and self.cache.fixed_position is not None:
@@ -189,6 +194,8 @@ class GraphDecode:
         else:
             output = self._capture()
             path = "graph" if self.graph is not None else f"eager: {self.refusal}"
+        if cache.fixed_dense and not path.startswith("eager"):
+            path += " (dense fallback)"
         cache.advance_fixed_shape()
         if self.graph is None and device.type == "cuda":
             cache.end_fixed_shape()  # the capture failed: the rest of the generation decodes eagerly

@@ -160,6 +160,9 @@ def generate(
     ),
     budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
     top_p: Annotated[float | None, typer.Option("--top-p", help="Twilight top-p pruning")] = None,
+    dense_below: Annotated[int | None, typer.Option(
+        help="the methods' dense fallback: below this many cached tokens (over the batch) a captured step decodes "
+        "densely; default: each method's measured crossover; 0: never (what measures the crossover)")] = None,
     new_tokens: Annotated[int, typer.Option(help="timed decode steps")] = 32,
     warmup: Annotated[int, typer.Option(help="decode steps before the timed ones")] = 4,
     prefill_chunk_size: Annotated[
@@ -178,7 +181,7 @@ def generate(
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     rank = int(os.environ.get("RANK", "0"))
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
-                          top_p=top_p, new_tokens=new_tokens, warmup=warmup,
+                          top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                           prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp,
                           progress=_progress if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
@@ -225,6 +228,9 @@ def throughput(
         "without CUDA graphs)")] = "hf-dense,dense,spotlight,quest,self-index",
     budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
     top_p: Annotated[float | None, typer.Option("--top-p", help="Twilight top-p pruning")] = None,
+    dense_below: Annotated[int | None, typer.Option(
+        help="the methods' dense fallback: below this many cached tokens (over the batch) a captured step decodes "
+        "densely; default: each method's measured crossover; 0: never (what measures the crossover)")] = None,
     new_tokens: Annotated[int, typer.Option(help="timed decode steps")] = 32,
     warmup: Annotated[int, typer.Option(help="decode steps before the timed ones")] = 4,
     prefill_chunk_size: Annotated[
@@ -242,7 +248,7 @@ def throughput(
         require_plots()  # before the search: a missing matplotlib must not cost the run
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     result = run_throughput(model, layers=layers, context=context, memory_gb=memory_gb, rows=names, budget=budget,
-                            top_p=top_p, new_tokens=new_tokens, warmup=warmup,
+                            top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                             prefill_chunk_size=prefill_chunk_size, max_batch=max_batch,
                             progress=_progress)  # fmt: skip
     _print_throughput(result)

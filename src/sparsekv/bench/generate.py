@@ -76,17 +76,17 @@ def replay_ms(graph_decode, device: torch.device, replays: int = 20) -> float | 
     return 1e3 * (time.perf_counter() - start) / replays
 
 
-def config_for(row: str, budget: float, top_p: float | None) -> SparseConfig | None:
+def config_for(row: str, budget: float, top_p: float | None, dense_below: int | None = None) -> SparseConfig | None:
     if row in HF_ROWS:
         return None
     method = method_of(row)
     if method == "dense":
         return SparseConfig(method=method)
-    return SparseConfig(method=method, budget=budget, top_p=top_p)
+    return SparseConfig(method=method, budget=budget, top_p=top_p, dense_below=dense_below)
 
 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
-                  warmup: int, prefill_chunk_size: int | None) -> dict:  # fmt: skip
+                  warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None) -> dict:  # fmt: skip
     """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
     and (methods) the tokens attended per step."""
     import sparsekv
@@ -105,7 +105,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
               "do_sample": False, "streamer": clock, "prefill_chunk_size": prefill_chunk_size, "pad_token_id": 0}
     if row == "hf-static-compile":
         kwargs["cache_implementation"] = "static"
-    config = config_for(row, budget, top_p)
+    config = config_for(row, budget, top_p, dense_below)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -152,6 +152,7 @@ def run_generate(
     rows: tuple[str, ...] = (*HF_ROWS, *DEFAULT_METHODS),
     budget: float = 0.02,
     top_p: float | None = None,
+    dense_below: int | None = None,
     new_tokens: int = 32,
     warmup: int = 4,
     prefill_chunk_size: int | None = None,
@@ -162,6 +163,9 @@ def run_generate(
     progress=None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
+
+    dense_below: the methods' dense fallback threshold (`SparseConfig.dense_below`; None = each method's default,
+    0 = always the method's own step: what measures the crossover).
 
     tp > 1: the model is loaded with transformers' tensor parallelism over `tp` GPUs, one process each (launched
     with torchrun; `tensor_parallel_model`); every rank runs every row on the same prompts and reports its own
@@ -179,7 +183,7 @@ def run_generate(
     for row in rows:
         if row not in HF_ROWS:
             get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
-            config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError, before the model
+            config_for(row, budget, top_p, dense_below)  # bad budget / top_p for a method: its ConfigError, before the model
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     started = time.perf_counter()
@@ -199,7 +203,7 @@ def run_generate(
     for round_index in range(rounds):
         for row in rows:
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
-                                  prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+                                  prefill_chunk_size=prefill_chunk_size, dense_below=dense_below)  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
             say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
@@ -213,6 +217,7 @@ def run_generate(
         "batch": batch,
         "budget": budget,
         "top_p": top_p,
+        "dense_below": dense_below,
         "new_tokens": new_tokens,
         "warmup": warmup,
         "prefill_chunk_size": prefill_chunk_size,
@@ -225,11 +230,13 @@ def decode_path(paths: dict | None) -> str:
     """The decode steps' paths in short: "graph 62 / eager 2 (first decode step, ...)"."""
     if not paths:
         return ""
-    graph = paths.get("graph", 0) + paths.get("fixed-shape", 0)
+    graph = sum(v for k, v in paths.items() if k.startswith(("graph", "fixed-shape")))
+    fallback = sum(v for k, v in paths.items() if k.endswith("(dense fallback)"))
     eager = {k.removeprefix("eager: "): v for k, v in paths.items() if k.startswith("eager")}
     reasons = ", ".join(k for k in eager if k not in ("prompt or several tokens", "first decode step"))
     steps = sum(paths.values()) - paths.get("eager: prompt or several tokens", 0)
-    return f"graph {graph}/{steps}" + (f" ({reasons})" if reasons else "")
+    dense = f", {fallback} dense fallback" if fallback else ""
+    return f"graph {graph}/{steps}{dense}" + (f" ({reasons})" if reasons else "")
 
 
 def run_environment(device: torch.device) -> dict:

@@ -198,6 +198,7 @@ def run_throughput(
     rows: tuple[str, ...] = DEFAULT_ROWS,
     budget: float = 0.02,
     top_p: float | None = None,
+    dense_below: int | None = None,
     new_tokens: int = 32,
     warmup: int = 4,
     prefill_chunk_size: int = 1024,
@@ -232,7 +233,8 @@ def run_throughput(
     with memory_limit(device, limit):
         net = build_model(model, layers=layers, dtype=torch.bfloat16, device=device, seed=seed)
         measure = gpu_measure(net, context=context, seed=seed, progress=progress, budget=budget, top_p=top_p,
-                              new_tokens=new_tokens, warmup=warmup, prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+                              dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
+                              prefill_chunk_size=prefill_chunk_size)  # fmt: skip
         found = throughput_search(rows, measure, max_batch)
         del net, measure
         _free_memory()
@@ -245,6 +247,7 @@ def run_throughput(
         "weights_bytes": weights,
         "budget": budget,
         "top_p": top_p,
+        "dense_below": dense_below,
         "new_tokens": new_tokens,
         "warmup": warmup,
         "prefill_chunk_size": prefill_chunk_size,

@@ -449,6 +449,9 @@ class TokenSelector:
     #: the method has a fixed-shape decode step (`append_fixed_shape`, and a `select` that reads no host value of
     #: the device): one CUDA graph then replays every decode step of `model.generate()` (`sparsekv.graph_decode`)
     fixed_shape: ClassVar[bool] = False
+    #: the dense fallback's default (`SparseConfig.dense_below`): cached tokens over the batch below which this
+    #: method's captured step was measured slower than the captured dense step (`sparsekv bench generate`, H200)
+    dense_below: ClassVar[int] = 0
 
     @classmethod
     def check_model(cls, model, config: SparseConfig) -> None:
