@@ -257,10 +257,12 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     shared = _fixed_step_masks(cache, batch, q_len)
     visible = shared["visible"]  # [B, 1, capacity]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    selector = layer.selector
+    selector, pruner = layer.selector, layer.pruner
+    for state in (selector, pruner):
+        if state is not None:
+            state.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
     if selector is not None and cache.fixed_dense:
         # the dense fallback (`SparseConfig.dense_below`): the method's state still follows the cache
-        selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
         if cache.record_stats:  # every visible token attended, as the selection rows of the method would count
             info = selector.layer
             heads = info.num_kv_heads if cache.config.gqa == "group" else info.num_heads
@@ -275,7 +277,6 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
         out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale)
         return out.transpose(1, 2).contiguous(), None
-    selector.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,
                       local=config.local, fixed=True, min_budget=host_budget(config, cache.fixed_start + 1),
@@ -283,6 +284,8 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     step = DecodeStep(query, key, value, visible, shared["forced"], shared["budgets"], selector.layer, config.gqa,
                       hints)  # fmt: skip
     selection = selector.select(step)
+    if pruner is not None:
+        selection = pruner.prune(step, selection)
     if cache.record_stats:
         cache.stats.add(module.layer_idx, selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
     out = selector.attend(step, selection, scale)

@@ -144,16 +144,18 @@ class SparseLayer(DynamicLayer):
         self.keys = self._key_buffer[..., :capacity, :]
         self.values = self._value_buffer[..., :capacity, :]
         self.fixed_position = position
-        if self.selector is not None:
-            self.selector.begin_fixed_shape(capacity)
+        for state in (self.selector, self.pruner):
+            if state is not None:
+                state.begin_fixed_shape(capacity)
 
     def end_fixed_shape(self) -> None:
         self.fixed_position = None
         self.new_keys = self.new_values = None
         self.keys = self._key_buffer[..., : self.length, :]
         self.values = self._value_buffer[..., : self.length, :]
-        if self.selector is not None:
-            self.selector.end_fixed_shape(self.length)
+        for state in (self.selector, self.pruner):
+            if state is not None:
+                state.end_fixed_shape(self.length)
 
     def get_seq_length(self) -> int:
         # the layer's own count: a compressed layer hands attention a zero-width stand-in for its K/V
@@ -421,8 +423,6 @@ class SparseCache(Cache):
             # the method first: a compressing selector (self-index) keeps no plain K/V buffer, which is not the reason
             if layer.selector is not None and not layer.selector.fixed_shape:
                 return f"{layer.selector.name} has no fixed-shape decode step"
-            if layer.pruner is not None:
-                return "the top-p pruner has no fixed-shape decode step"
             if (layer.selector is not None and layer.prompt_open) or layer._key_buffer is None:
                 return "the prompt has not been cached"
         if capacity <= self.layers[0].length:

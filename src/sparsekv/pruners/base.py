@@ -24,5 +24,16 @@ class Pruner:
     def crop(self, length: int) -> None:
         """Rolls the state back to the first `length` cached tokens."""
 
+    def begin_fixed_shape(self, capacity: int) -> None:
+        """Fixed-shape decoding starts (`SparseCache.begin_fixed_shape`): room for `capacity` tokens, once."""
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """`append` of one token at a device position [1] (no host count changes: a CUDA graph replays it)."""
+
+    def end_fixed_shape(self, length: int) -> None:
+        """Fixed-shape decoding ends with `length` tokens cached."""
+
     def prune(self, step: DecodeStep, selection: Selection) -> Selection:
+        """The kept subset of `selection`. A fixed-shape step (`step.hints.fixed`) keeps the selection's width and
+        marks what it drops invalid (no host read of the kept counts)."""
         raise NotImplementedError

@@ -253,6 +253,8 @@ class TopPPruner(Pruner):
     length: int = 0
     kept_log: list[torch.Tensor] = field(default_factory=list, repr=False)
     candidate_log: list[torch.Tensor] = field(default_factory=list, repr=False)
+    #: fixed-shape decoding: the key copy spans the whole capacity and new tokens land at the step's position
+    fixed: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.p is None:
@@ -290,8 +292,28 @@ class TopPPruner(Pruner):
         self.zero[..., self.length : needed] = zero
         self.length = needed
 
-    def quantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        n = self.length
+    def begin_fixed_shape(self, capacity: int) -> None:
+        if not self.exact and self.codes.shape[-2] < capacity:
+            self.codes = _grow(self.codes, self.codes, capacity, self.length)
+            self.scale = _grow(self.scale, self.scale, capacity, self.length)
+            self.zero = _grow(self.zero, self.zero, capacity, self.length)
+        self.fixed = True
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        if self.exact:
+            return
+        codes, scale, zero = quantize_keys(keys, self.bits)
+        self.codes.index_copy_(-2, position, codes)
+        self.scale.index_copy_(-1, position, scale)
+        self.zero.index_copy_(-1, position, zero)
+
+    def end_fixed_shape(self, length: int) -> None:
+        self.length = length
+        self.fixed = False
+
+    def quantized(self, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The key copy's first `tokens` (default: the cached ones)."""
+        n = self.length if tokens is None else tokens
         return self.codes[..., :n, :], self.scale[..., :n], self.zero[..., :n]
 
     def state_bytes(self) -> int:
@@ -306,6 +328,8 @@ class TopPPruner(Pruner):
         """Unscaled q·k of each query head with its candidates, [B, Hq, Q, K]."""
         if self.exact:
             return estimate_qk_exact(step, selection)
+        if self.fixed:  # the candidates lie among the written slots of the whole capacity
+            return estimate_qk(step.query, *self.quantized(step.keys.shape[-2]), selection.indices, self.bits)
         if self.length != step.keys.shape[-2]:
             raise RuntimeError(f"pruner holds {self.length} quantized keys, the cache {step.keys.shape[-2]}")
         return estimate_qk(step.query, *self.quantized(), selection.indices, self.bits)
@@ -326,6 +350,13 @@ class TopPPruner(Pruner):
         return keep.view(shape), weights
 
     def prune(self, step: DecodeStep, selection: Selection) -> Selection:
+        if self.fixed:
+            # no compaction (its width is a host read): the dropped candidates become invalid entries; the
+            # cache's stats count the kept ones (the logs below are host copies, so fixed-shape steps skip them)
+            if self.p >= 1:
+                return selection
+            keep, _ = self.keep_mask(step, selection)
+            return Selection(indices=selection.indices, valid=keep & selection.valid)
         if self.p >= 1:
             pruned = selection
         else:

@@ -95,8 +95,24 @@ class TwilightSelector(TokenSelector):
         p = self.config.top_p if self.config.top_p is not None else DEFAULT_TOP_P
         self.pruner = TopPPruner(self.config, self.layer, p=p, bits=self.bits)
 
+    @property
+    def fixed_shape(self) -> bool:  # a fixed-shape step where the base has one (the pruner always does)
+        return self.inner.fixed_shape
+
     def prompt_query_window(self) -> int | None:
         return self.inner.prompt_query_window()
+
+    def begin_fixed_shape(self, capacity: int) -> None:
+        self.inner.begin_fixed_shape(capacity)
+        self.pruner.begin_fixed_shape(capacity)
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        self.inner.append_fixed_shape(keys, values, position)
+        self.pruner.append_fixed_shape(keys, values, position)
+
+    def end_fixed_shape(self, length: int) -> None:
+        self.inner.end_fixed_shape(length)
+        self.pruner.end_fixed_shape(length)
 
     def crop(self, length: int) -> None:
         self.inner.crop(length)
