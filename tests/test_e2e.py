@@ -443,7 +443,7 @@ def test_bench_generate_times_the_step_alone_after_the_last_token():
 def test_bench_generate_reports_the_captured_step_alone_on_cuda():
     from sparsekv.bench.generate import run_generate
 
-    result = run_generate("tiny-llama", layers=2, context=256, batch=2, rows=("dense", "spotlight"), new_tokens=8,
+    result = run_generate("tiny-llama", layers=3, context=256, batch=2, rows=("dense", "spotlight"), new_tokens=8,
                           warmup=2, device="cuda")  # fmt: skip
     for row in result["summary"]:
         assert 0 < row["step_ms"] <= row["tpot_ms"], row

@@ -20,7 +20,10 @@ STEPS = 64
 
 
 def _config(method: str, budget: float | None) -> SparseConfig:
-    return SparseConfig(method=method) if budget is None else SparseConfig(method=method, budget=budget, local=4)
+    # dense_below=0: the method's own step also where its measured crossover (CUDA) would decode densely
+    if budget is None:
+        return SparseConfig(method=method)
+    return SparseConfig(method=method, budget=budget, local=4, dense_below=0)
 
 
 def _generate(model, ids, config: SparseConfig, graph_decode, steps: int = STEPS, **kwargs):
@@ -51,7 +54,7 @@ def test_fixed_shape_step_equals_eager(real_model, prompt, method, budget):
     # within the bisection's gap of the threshold may go either way
     tolerance = 1e-3 if method == "twilight" else 1e-6
     for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
-        assert fixed_stats[key] == pytest.approx(eager_stats[key], rel=tolerance)
+        assert fixed_stats[key] == (None if eager_stats[key] is None else pytest.approx(eager_stats[key], rel=tolerance))
     # afterwards the cache is an ordinary one again, at the same length
     layer = fixed_cache.layers[-1]
     assert layer.fixed_position is None and layer.keys.shape[-2] == layer.length == prompt.shape[1] + STEPS - 1
@@ -260,30 +263,38 @@ def test_sliding_window_layers_keep_their_window_in_fixed_shape_steps(method):
     assert steps.get("fixed-shape") == 6 and torch.equal(tokens, eager)
 
 
-def test_dense_fallback_decodes_densely_below_its_threshold(real_model, prompt):
-    """A batch holding fewer cached tokens than `dense_below` takes the captured dense step: dense's tokens, every
-    visible token counted as attended, and the method's state still following the cache (the next generate, above
-    the threshold, selects again)."""
+@pytest.mark.parametrize("method,budget", [("lsh", 0.05), ("twilight", 0.25)])
+def test_dense_fallback_decodes_densely_below_its_threshold(real_model, prompt, method, budget):
+    """A batch holding fewer cached tokens than `dense_below` takes the captured dense step alone: dense's tokens,
+    every visible token counted as attended; the method's state (lsh's codes, the pruner's INT4 keys) takes the
+    fallback's tokens when the generation ends, and the next decode step selects from a complete state."""
+    from sparsekv.pruners.top_p import quantize_keys
+    from sparsekv.selectors.lsh import hash_codes
+
     model, _ = real_model
     steps = 12
     dense, _, _ = _generate(model, prompt, SparseConfig(method="dense"), graph_decode=True, steps=steps)
-    config = SparseConfig(method="lsh", budget=0.05, dense_below=prompt.shape[1] + steps)
+    config = SparseConfig(method=method, budget=budget, dense_below=prompt.shape[1] + steps)
     fallback, paths, cache = _generate(model, prompt, config, graph_decode=True, steps=steps)
     assert torch.equal(fallback, dense)
     assert paths["fixed-shape (dense fallback)"] == steps - 2 and "fixed-shape" not in paths
     stats = cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(stats["avg_context_tokens"])
-    # the fallback steps still wrote their keys' codes: the selector's codes are those of every cached key
-    from sparsekv.selectors.lsh import hash_codes
-
+    assert stats["avg_context_tokens"] == pytest.approx(prompt.shape[1] + steps / 2)  # the mean step's keys
+    # one more (eager) decode step: the selector's state covers every cached key
+    with sparsekv.enabled(model, config, graph_decode=False):
+        model(input_ids=fallback[:, -1:], **cache_kwargs(model, cache), use_cache=True)
     for layer in cache.layers:
         if layer.selector is not None:
-            lsh = layer.selector
+            lsh = layer.selector.inner if method == "twilight" else layer.selector
             assert lsh.key_codes.length == layer.length
-            expected = hash_codes(layer.keys.float() - lsh.key_mean, lsh.projection)
-            assert torch.equal(lsh.key_codes.view(), expected)
+            assert torch.equal(lsh.key_codes.view(), hash_codes(layer.keys.float() - lsh.key_mean, lsh.projection))
+            if method == "twilight":
+                pruner = layer.selector.pruner
+                assert pruner.length == layer.length
+                assert torch.equal(pruner.quantized()[0], quantize_keys(layer.keys, pruner.bits)[0])
     # just at the threshold the method's own step runs
-    at = SparseConfig(method="lsh", budget=0.05, dense_below=prompt.shape[1])
+    at = SparseConfig(method=method, budget=budget, dense_below=prompt.shape[1])
     _, paths, _ = _generate(model, prompt, at, graph_decode=True, steps=steps)
     assert paths["fixed-shape"] == steps - 2
 

@@ -257,18 +257,12 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     shared = _fixed_step_masks(cache, batch, q_len)
     visible = shared["visible"]  # [B, 1, capacity]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    selector, pruner = layer.selector, layer.pruner
+    # the dense fallback (`SparseConfig.dense_below`) runs the dense step alone: the method's state and the stats
+    # catch up once the fixed-shape steps end (`SparseCache.end_fixed_shape`)
+    selector, pruner = (None, None) if cache.fixed_dense else (layer.selector, layer.pruner)
     for state in (selector, pruner):
         if state is not None:
             state.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
-    if selector is not None and cache.fixed_dense:
-        # the dense fallback (`SparseConfig.dense_below`): the method's state still follows the cache
-        if cache.record_stats:  # every visible token attended, as the selection rows of the method would count
-            info = selector.layer
-            heads = info.num_kv_heads if cache.config.gqa == "group" else info.num_heads
-            rows = batch * heads * q_len
-            cache.stats.add_all_visible(module.layer_idx, *_fixed_stats(cache, rows), shared["written"], rows)
-        selector = None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
         info = cache.infos[module.layer_idx]
         if info.sliding:  # its window of the latest tokens only

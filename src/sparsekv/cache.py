@@ -148,14 +148,21 @@ class SparseLayer(DynamicLayer):
             if state is not None:
                 state.begin_fixed_shape(capacity)
 
-    def end_fixed_shape(self) -> None:
+    def end_fixed_shape(self, unseen_from: int | None = None) -> None:
+        """Back to ordinary decoding. `unseen_from`: the fixed-shape steps left the selector and pruner out (the
+        dense fallback), so their state ends at that length and takes the later tokens in one `append`."""
         self.fixed_position = None
         self.new_keys = self.new_values = None
         self.keys = self._key_buffer[..., : self.length, :]
         self.values = self._value_buffer[..., : self.length, :]
         for state in (self.selector, self.pruner):
-            if state is not None:
+            if state is None:
+                continue
+            if unseen_from is None:
                 state.end_fixed_shape(self.length)
+            else:
+                state.end_fixed_shape(unseen_from)
+                state.append(self.keys[..., unseen_from:, :], self.values[..., unseen_from:, :])
 
     def get_seq_length(self) -> int:
         # the layer's own count: a compressed layer hands attention a zero-width stand-in for its K/V
@@ -246,6 +253,7 @@ class BudgetStats:
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         #: [layers, 4] float64 on the device: sum of kept, sum of visible, sum of kept / visible, rows
         self._sums: torch.Tensor | None = None
+        self._host_sums = torch.zeros(num_layers, 4, dtype=torch.float64)  # `add_host`, same columns
 
     def record(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
         """selection counts [B, S, Q]; visible [B, Q, N]."""
@@ -277,10 +285,9 @@ class BudgetStats:
         `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
         self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
 
-    def add_all_visible(self, layer_idx: int, per_kept: torch.Tensor, fixed: torch.Tensor, seen: torch.Tensor,
-                        rows: int) -> None:  # fmt: skip
-        """`add` for a fixed-shape step whose `rows` rows each attended all `seen` ([1]) visible tokens."""
-        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, seen.double() * rows)
+    def add_host(self, layer_idx: int, *, kept: float, seen: float, fraction: float, rows: int) -> None:
+        """Sums known on the host (kept, visible, kept / visible over rows, rows) added to a layer's."""
+        self._host_sums[layer_idx] += torch.tensor([kept, seen, fraction, rows], dtype=torch.float64)
 
     @staticmethod
     def fixed_step_stats(seen: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -316,7 +323,7 @@ class BudgetStats:
 
     def layer_sums(self) -> torch.Tensor:
         """[layers, 4] float64 on the CPU: kept, visible, kept / visible summed over every record, and rows."""
-        sums = torch.zeros(self.num_layers, 4, dtype=torch.float64)
+        sums = self._host_sums.clone()
         if self._sums is not None:
             sums += self._sums.cpu()
         for i in range(self.num_layers):
@@ -466,9 +473,22 @@ class SparseCache(Cache):
         """Back to ordinary (eager, growing) decoding; the cached tokens and every selector's state carry over."""
         if self.fixed_position is None:
             return
+        if self.fixed_dense and self.record_stats:
+            self._record_dense_steps()
         for layer in self.layers:
-            layer.end_fixed_shape()
+            layer.end_fixed_shape(self.fixed_start if self.fixed_dense else None)
         self.fixed_position = self.fixed_visible = self.fixed_slots = None
+
+    def _record_dense_steps(self) -> None:
+        """The stats of the dense fallback's fixed-shape steps: every visible token of each sparse layer's rows."""
+        steps = self.layers[0].length - self.fixed_start
+        for idx, (layer, info) in enumerate(zip(self.layers, self.infos)):
+            if layer.selector is not None and steps > 0:
+                heads = info.num_kv_heads if self.config.gqa == "group" else info.num_heads
+                rows = layer._key_buffer.shape[0] * heads
+                # step t sees fixed_start + t + 1 tokens
+                seen = steps * (self.fixed_start + 1) + steps * (steps - 1) // 2
+                self.stats.add_host(idx, kept=seen * rows, seen=seen * rows, fraction=steps * rows, rows=steps * rows)
 
     def crop(self, tokens_to_remove: int) -> None:
         # a rollback (assisted generation, prompt lookup, lossless decoding) is eager bookkeeping: the next decode

@@ -7,7 +7,8 @@ The same random prompts through, in turn:
 - each method: `model.generate()` under `sparsekv.enabled(model, SparseConfig(method, budget))`, whose decode steps
   replay one CUDA graph where the method has a fixed-shape step (`sparsekv.graph_decode`); `dense` is sparsekv's
   own captured dense step. A row `<method>@eager` runs the same with `graph_decode=False`, a row `<method>@compile`
-  with `compile_step=True` (the step's forward compiled by torch.compile before it is captured).
+  with `compile_step=True` (the step's forward compiled by torch.compile before it is captured); a row
+  `<method>...:<budget>` runs at its own budget (e.g. `twilight@compile:0.25`: top-p over 25% candidates).
 
 Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a one-shot prefill of a long batch does
 not fit the GPU). The time of each generated token is taken by a streamer (transformers hands it each token as
@@ -35,8 +36,21 @@ EAGER_SUFFIX = "@eager"
 COMPILE_SUFFIX = "@compile"
 
 
+def parse_row(row: str) -> tuple[str, str, float | None]:
+    """"<method>[@eager|@compile][:budget]" -> (method, "@eager"/"@compile"/"", budget or None)."""
+    name, _, budget = row.partition(":")
+    try:
+        own_budget = float(budget) if budget else None
+    except ValueError:
+        raise ConfigError(f"row {row!r}: the budget after ':' must be a number, e.g. twilight@compile:0.25") from None
+    for suffix in (EAGER_SUFFIX, COMPILE_SUFFIX):
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), suffix, own_budget
+    return name, "", own_budget
+
+
 def method_of(row: str) -> str:
-    return row.removesuffix(EAGER_SUFFIX).removesuffix(COMPILE_SUFFIX)
+    return parse_row(row)[0]
 
 
 class _TokenClock:
@@ -79,9 +93,10 @@ def replay_ms(graph_decode, device: torch.device, replays: int = 20) -> float | 
 def config_for(row: str, budget: float, top_p: float | None, dense_below: int | None = None) -> SparseConfig | None:
     if row in HF_ROWS:
         return None
-    method = method_of(row)
+    method, _, own_budget = parse_row(row)
     if method == "dense":
         return SparseConfig(method=method)
+    budget = own_budget if own_budget is not None else budget
     return SparseConfig(method=method, budget=budget, top_p=top_p, dense_below=dense_below)
 
 
@@ -117,8 +132,9 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
             model.generate(ids, **kwargs)
             stats = None
         else:
-            graph_decode = False if row.endswith(EAGER_SUFFIX) else None
-            compile_step = row.endswith(COMPILE_SUFFIX)
+            _, path, _ = parse_row(row)
+            graph_decode = False if path == EAGER_SUFFIX else None
+            compile_step = path == COMPILE_SUFFIX
             with sparsekv.enabled(model, config, graph_decode=graph_decode, compile_step=compile_step) as rt:
                 runtime.append(rt)
                 model.generate(ids, **kwargs)
