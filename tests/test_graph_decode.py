@@ -153,7 +153,8 @@ def _to_meta(selector) -> None:
                                             ("double-sparsity", {"precision": "fp8"}),
                                             ("double-sparsity", {"precision": "bf16"})])  # fmt: skip
 @pytest.mark.parametrize("gqa", ["group", "head"])
-def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value(method, options, gqa):
+@pytest.mark.parametrize("sink,local", [(2, 3), (0, 0)])  # quest without forced tokens: its page-level path
+def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value(method, options, gqa, sink, local):
     """The selector alone, on random keys: each fixed-shape step keeps the ordinary step's tokens, and the step
     runs on meta tensors too, which fail on any host read of a device value (what CUDA graph capture forbids)."""
     import copy
@@ -162,7 +163,7 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
     from sparsekv.registry import get_method_class
     from sparsekv.selectors.base import DecodeStep, LayerInfo, StepHints, host_budget
 
-    config = SparseConfig(method=method, budget=0.2, sink=2, local=3, gqa=gqa, options=options)
+    config = SparseConfig(method=method, budget=0.2, sink=sink, local=local, gqa=gqa, options=options)
     layer = LayerInfo(2, 4, num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25)
     cls = get_method_class(method)
     eager, fixed = cls(config=config, layer=layer, **options), cls(config=config, layer=layer, **options)
@@ -231,7 +232,9 @@ def test_quest_fixed_shape_step_with_the_device_select_keeps_the_eager_set(monke
         return _fixed_int_topk_core(scores, step, value_range)
 
     monkeypatch.setattr(quest, "fixed_int_topk_selection", device_select)
-    test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("quest", {"page_size": page_size}, gqa)
+    # sink and local tokens: the token-level path (without them quest picks pages and never calls the select)
+    test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("quest", {"page_size": page_size}, gqa,
+                                                                                 sink=2, local=3)  # fmt: skip
     assert ranges and all(hi == ((75 - 1) // page_size + 3) * page_size - 1 for _, hi in ranges)  # capacity 75
 
 
@@ -325,3 +328,15 @@ def test_a_method_with_top_p_takes_the_fixed_shape_step(real_model, prompt):
     assert kept == pytest.approx(eager_kept, rel=1e-3) and kept < 0.2 * prompt.shape[1]  # pruned below the candidates
     layer = next(layer for layer in fixed_cache.layers if layer.pruner is not None)
     assert layer.pruner.length == layer.length and not layer.pruner.fixed
+
+
+def test_quest_page_level_fixed_step_gives_the_eager_tokens(real_model, prompt):
+    """Without sink/local tokens quest's fixed-shape step picks pages (own page, best pages, the next one's most
+    recent tokens) instead of ranking every token: the same tokens and budgets as the eager step."""
+    model, _ = real_model
+    config = SparseConfig(method="quest", budget=0.05, dense_below=0)
+    eager, _, eager_cache = _generate(model, prompt, config, graph_decode=False, steps=24)
+    fixed, paths, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
+    assert paths["fixed-shape"] == 22 and torch.equal(fixed, eager)
+    kept, eager_kept = fixed_cache.stats.summary(), eager_cache.stats.summary()
+    assert kept["avg_budget_tokens"] == pytest.approx(eager_kept["avg_budget_tokens"])

@@ -120,37 +120,74 @@ class QuestSelector(TokenSelector):
         self.page_min.scatter_reduce_(2, index, new.masked_fill(pad, float("inf")), "amin")
         self.built = n
 
-    def score(self, step: DecodeStep) -> torch.Tensor:
-        """[B, S, Q, N] ranking keys (higher = keep): own page (recent first), then pages best-first."""
+    def page_ranks(self, step: DecodeStep) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ranks [B, S, Q, P] of the pages that precede each query's own page, distinct, higher = better, the
+        others below them; the query's page [B, Q]; the page count P)."""
         fixed = step.hints is not None and step.hints.fixed
         if not fixed:
             self._sync(step)  # a fixed-shape step's token is already in its page (`append_fixed_shape`)
         n, q_len, size = step.keys.shape[-2], step.query.shape[2], self.page_size
-        rel = torch.arange(n, device=step.keys.device)[None, :] - self.start[:, None]  # [B, N]
-        token_page, offset = rel.clamp(min=0) // size, rel.clamp(min=0) % size
         if fixed:
-            # every page of the buffer, and the query's page from the device count: no host read. The query's page
-            # and the later (unwritten) ones rank below every earlier page, so the earlier pages keep their order
-            # (their ranks shift by a constant) and the kept set is the ordinary step's
+            # every page of the buffer, and the query's page from the device count: no host read
             pages = (n - 1) // size + 1
             query_page = (step.hints.written - 1 - self.start[:, None]) // size  # [B, Q = 1]
         else:
-            pages = int(token_page.max()) + 1
-            query_page = token_page[:, n - q_len :]  # [B, Q]
+            rel = torch.arange(n - q_len, n, device=step.keys.device)[None, :] - self.start[:, None]  # [B, Q]
+            query_page = rel.clamp(min=0) // size
+            pages = int(query_page.max()) + 1
         # [B, S, Q, P]: the op sums each GQA group's heads (gqa "group") or keeps every query head
         reduce = "sum" if step.gqa == "group" else "none"
         scores = quest_page_scores(step.query, self.page_min[:, :, :pages], self.page_max[:, :, :pages],
                                    group_reduce=reduce)  # fmt: skip
         earlier = torch.arange(pages, device=scores.device)[None, None, :] < query_page[:, :, None]
-        # pages after the query's own are not yet visible; ranks put them (and invalid pages) last
-        ranks = unique_ranks(scores.masked_fill(~earlier[:, None], float("-inf")))
-        shape = (*scores.shape[:3], n)
+        # pages after the query's own are not yet visible; ranks put them (and the own page) last
+        return unique_ranks(scores.masked_fill(~earlier[:, None], float("-inf"))), query_page, pages
+
+    def score(self, step: DecodeStep) -> torch.Tensor:
+        """[B, S, Q, N] ranking keys (higher = keep): own page (recent first), then pages best-first."""
+        ranks, query_page, pages = self.page_ranks(step)
+        n, size = step.keys.shape[-2], self.page_size
+        rel = torch.arange(n, device=step.keys.device)[None, :] - self.start[:, None]  # [B, N]
+        token_page, offset = rel.clamp(min=0) // size, rel.clamp(min=0) % size
+        shape = (*ranks.shape[:3], n)
         token_rank = ranks.gather(-1, token_page[:, None, None, :].expand(shape))
         key = token_rank * size + offset[:, None, None, :]
         own = token_page[:, None, None, :] == query_page[:, None, :, None]
         return torch.where(own, float((pages + 1) * size) + offset[:, None, None, :], key)
 
+    def fixed_page_selection(self, step: DecodeStep) -> Selection:
+        """The ordinary step's set for a fixed-shape step, chosen among pages instead of tokens: the query's own
+        page (its most recent tokens), then the best pages whole, then the most recent tokens of the next best
+        page, until each row's budget is met. A top-k over the P page ranks and index arithmetic: nothing of the
+        size of the buffer but the page scores, and no host read. (Sink and local tokens are not forced here:
+        `select` takes the token path when the config has any.)"""
+        ranks, query_page, _ = self.page_ranks(step)  # [B, S, Q, P], [B, Q]
+        size, device = self.page_size, ranks.device
+        b, s, q, _ = ranks.shape
+        width = min(-(-step.hints.max_budget // size) + 1, ranks.shape[-1])  # pages a budget can reach
+        best = ranks.topk(width, dim=-1).indices  # [B, S, Q, width], best first
+        budget = step.budgets[:, None, :, None]  # [B, 1, Q, 1]
+        own_start = self.start[:, None, None, None] + query_page[:, None, :, None] * size  # [B, 1, Q, 1]
+        own_count = step.hints.written.view(1, 1, 1, 1) - own_start  # tokens written in the own page
+        own_kept = torch.minimum(own_count, budget)
+        rest = budget - own_kept
+        full, partial = rest // size, rest % size
+        slot = torch.arange(size, device=device)
+        # own page: its last `own_kept` written tokens
+        own_idx = (own_start + slot).expand(b, s, q, size)
+        own_ok = (slot >= own_count - own_kept) & (slot < own_count)
+        # ranked pages: the first `full` whole, then the `partial` most recent tokens of the next
+        order = torch.arange(width, device=device)[:, None]  # [width, 1]
+        page_idx = self.start[:, None, None, None, None] + best[..., None] * size + slot  # [B, S, Q, width, size]
+        page_ok = (order < full[..., None]) | ((order == full[..., None]) & (slot >= size - partial[..., None]))
+        indices = torch.cat([own_idx, page_idx.flatten(-2)], dim=-1)
+        valid = torch.cat([own_ok.expand(b, s, q, size), page_ok.expand(b, s, q, width, size).flatten(-2)], dim=-1)
+        # slots past the visible tokens (unused pages) stay in range: they are invalid entries
+        return Selection(indices=indices.clamp(max=step.keys.shape[-2] - 1), valid=valid)
+
     def select(self, step: DecodeStep) -> Selection:
+        if step.hints is not None and step.hints.fixed and step.hints.sink == 0 and step.hints.local == 0:
+            return self.fixed_page_selection(step)
         scores = self.score(step)
         if step.hints is not None and step.hints.fixed:
             # the ranking keys are distinct integers below (pages + 2) x page_size: the sort-free histogram select
