@@ -429,6 +429,20 @@ def test_bench_generate_times_every_row_through_model_generate(tmp_path):
     assert all(r["step_ms"] is None for r in rows.values())  # no CUDA graph to replay alone on CPU
 
 
+def test_bench_generate_rows_name_their_path_and_budget():
+    from sparsekv.bench.generate import config_for, decode_path, parse_row
+    from sparsekv.config import ConfigError
+
+    assert parse_row("twilight@compile:0.25") == ("twilight", "@compile", 0.25)
+    assert parse_row("lsh@eager") == ("lsh", "@eager", None) and parse_row("quest") == ("quest", "", None)
+    assert config_for("twilight@compile:0.25", 0.02, None).budget == 0.25
+    assert config_for("lsh", 0.02, None, dense_below=0).dense_below == 0
+    with pytest.raises(ConfigError, match="budget after ':'"):
+        parse_row("lsh:x")
+    paths = {"eager: prompt or several tokens": 1, "eager: first decode step": 1, "graph (dense fallback)": 18}
+    assert decode_path(paths) == "graph 18/19, 18 dense fallback"
+
+
 def test_bench_generate_times_the_step_alone_after_the_last_token():
     from sparsekv.bench.generate import _TokenClock
 

@@ -85,7 +85,9 @@ class SparseConfig:
         if self.dense_below is not None and (
             isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0
         ):
-            raise ConfigError(f"dense_below must be an int >= 0 (cached tokens over the batch) or None, got {self.dense_below!r}")
+            raise ConfigError(
+                f"dense_below must be an int >= 0 (cached tokens over the batch) or None, got {self.dense_below!r}"
+            )
         if self.dense_below and get_method_class(self.method).stores_kv:
             raise ConfigError(
                 f"{self.method} keeps only its compressed K/V, so it has no dense fallback: leave dense_below unset "
