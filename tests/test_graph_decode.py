@@ -340,3 +340,16 @@ def test_quest_page_level_fixed_step_gives_the_eager_tokens(real_model, prompt):
     assert paths["fixed-shape"] == 22 and torch.equal(fixed, eager)
     kept, eager_kept = fixed_cache.stats.summary(), eager_cache.stats.summary()
     assert kept["avg_budget_tokens"] == pytest.approx(eager_kept["avg_budget_tokens"])
+
+
+def test_methods_command_lists_each_methods_dense_fallback(monkeypatch):
+    from typer.testing import CliRunner
+
+    from sparsekv.cli import app
+    from sparsekv.registry import get_method_class
+
+    monkeypatch.setenv("COLUMNS", "240")
+    result = CliRunner().invoke(app, ["methods"])
+    assert result.exit_code == 0, result.output
+    spotlight = next(line for line in result.output.splitlines() if line.lstrip("│ ").startswith("spotlight "))
+    assert f"below {get_method_class('spotlight').dense_below:,} cached tokens" in spotlight

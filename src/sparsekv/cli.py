@@ -130,17 +130,21 @@ def write_json(path: Path | None, payload: dict) -> None:
 @app.command()
 def methods() -> None:
     """List the selection methods and their options."""
-    from sparsekv.registry import available_methods, method_options
+    from sparsekv.registry import available_methods, get_method_class, method_options
 
-    table = Table("method", "options")
+    table = Table("method", "options", "dense fallback (CUDA)")
     for name in available_methods():
         opts = method_options(name)
-        table.add_row(name, ", ".join(f"{k}={f.default!r}" for k, f in opts.items()) or "-")
+        below = get_method_class(name).dense_below
+        fallback = f"below {below:,} cached tokens" if below else "-"
+        table.add_row(name, ", ".join(f"{k}={f.default!r}" for k, f in opts.items()) or "-", fallback)
     console.print(table)
     console.print(
         "Every method selects in the layers that attend globally; the config's dense_layers and, in hybrid "
         "models (e.g. Gemma 3), the sliding-window layers keep their native attention. The stats list the "
-        "layers that selected (per_layer_avg_tokens)."
+        "layers that selected (per_layer_avg_tokens). In generation on CUDA a method decodes with the dense step "
+        "while the batch holds fewer cached tokens (tokens x sequences) than its measured crossover "
+        "(--dense-below / SparseConfig.dense_below; 0 turns the fallback off)."
     )
 
 
