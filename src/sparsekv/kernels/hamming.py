@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
+import torch.nn.functional as F
 
 from sparsekv.kernels.bits import check_code_shapes, popcount32
 
@@ -43,10 +46,22 @@ def hamming_scores_reference(
 
 
 def _signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 codes [..., W] -> float32 [..., bits] in {-1, +1}."""
+    """int32 codes [..., W] -> float32 [..., bits] in {-1, +1} (bit i of word w is sign w * 32 + i)."""
+    if sys.byteorder == "little":
+        # one table lookup per byte (bit k of byte j of a word is bit 8j + k): a pass over the codes' bytes and
+        # one over the output, where unpacking by shifts makes four passes over the output
+        table = _SIGN_TABLE.get(codes.device)
+        if table is None:
+            table = _SIGN_TABLE[codes.device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float().mul_(
+                2).sub_(1).to(codes.device)  # fmt: skip
+        as_bytes = codes.contiguous().view(torch.uint8).to(torch.int32)  # [..., 4W]
+        return F.embedding(as_bytes, table).flatten(-2)[..., :bits]
     shifts = torch.arange(32, dtype=torch.int32, device=codes.device)
     unpacked = (codes[..., None] >> shifts) & 1
     return unpacked.flatten(-2)[..., :bits].to(torch.float32) * 2 - 1
+
+
+_SIGN_TABLE: dict[torch.device, torch.Tensor] = {}  # [256, 8] float32 signs of each byte's bits, per device
 
 
 def hamming_scores_matmul(query_codes: torch.Tensor, key_codes: torch.Tensor, *, bits: int) -> torch.Tensor:
