@@ -15,7 +15,7 @@ from sparsekv.hf_compat import cache_kwargs
 from sparsekv.models import random_model
 
 FIXED_SHAPE_METHODS = [("dense", None), ("oracle-topk", 0.05), ("spotlight", 0.05), ("lsh", 0.05), ("quest", 0.05),
-                       ("double-sparsity", 0.05), ("twilight", 0.25)]  # fmt: skip
+                       ("double-sparsity", 0.05), ("twilight", 0.25), ("self-index", 0.05)]  # fmt: skip
 STEPS = 64
 
 
@@ -60,16 +60,18 @@ def test_fixed_shape_step_equals_eager(real_model, prompt, method, budget):
     assert layer.fixed_position is None and layer.keys.shape[-2] == layer.length == prompt.shape[1] + STEPS - 1
 
 
-def test_the_cache_decodes_on_after_a_graph_generation(real_model, prompt):
-    """A second generate() continuing the first one's cache: fixed shapes again, same tokens as eager."""
+@pytest.mark.parametrize("method,options", [("spotlight", {}), ("self-index", {"residual": 16, "k_group": 8})])
+def test_the_cache_decodes_on_after_a_graph_generation(real_model, prompt, method, options):
+    """A second generate() continuing the first one's cache: fixed shapes again, same tokens as eager. Self-index
+    with small blocks: its K blocks and 16-bit residual blocks fill inside the fixed-shape steps and carry over."""
     model, _ = real_model
-    config = _config("spotlight", 0.05)
+    config = SparseConfig(method=method, budget=0.05, local=4, dense_below=0, options=options)
     outputs = []
     for graph_decode in (False, True):
         with sparsekv.enabled(model, config, graph_decode=graph_decode):
-            first = model.generate(prompt, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+            first = model.generate(prompt, max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
             cache = first.past_key_values
-            second = model.generate(first.sequences, **cache_kwargs(model, cache), max_new_tokens=8, do_sample=False)
+            second = model.generate(first.sequences, **cache_kwargs(model, cache), max_new_tokens=40, do_sample=False)
             outputs.append(second)
     assert torch.equal(outputs[0], outputs[1])
 
@@ -142,16 +144,28 @@ def test_cuda_graph_replays_equal_eager(method, budget):
     assert graph_stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"], rel=tolerance)
 
 
-def _to_meta(selector) -> None:
-    for name, value in vars(selector).items():
+def _to_meta(state) -> None:
+    """Every tensor a selector holds, in its attributes and in the objects and dicts below them, moved to meta."""
+    items = state.items() if isinstance(state, dict) else vars(state).items()
+    for name, value in list(items):
         if isinstance(value, torch.Tensor):
-            setattr(selector, name, value.to("meta"))
+            value = value.to("meta")
+            if isinstance(state, dict):
+                state[name] = value
+            else:
+                setattr(state, name, value)
+        elif isinstance(value, dict) or (hasattr(value, "__dict__") and not isinstance(value, (type, SparseConfig))):
+            _to_meta(value)
 
 
 @pytest.mark.parametrize("method,options", [("quest", {"page_size": 4}), ("quest", {"page_size": 16}),
                                             ("double-sparsity", {"precision": "int8"}),
                                             ("double-sparsity", {"precision": "fp8"}),
-                                            ("double-sparsity", {"precision": "bf16"})])  # fmt: skip
+                                            ("double-sparsity", {"precision": "bf16"}), ("self-index", {}),
+                                            # small blocks: several K blocks and residual blocks fill in the steps
+                                            ("self-index", {"residual": 8, "k_group": 4, "sink_tokens": 4}),
+                                            ("self-index", {"k_axis": "token", "residual": 0, "sink_tokens": 4}),
+                                            ("self-index", {"kv_bits": 16, "rescore": 0})])  # fmt: skip
 @pytest.mark.parametrize("gqa", ["group", "head"])
 @pytest.mark.parametrize("sink,local", [(2, 3), (0, 0)])  # quest without forced tokens: its page-level path
 def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value(method, options, gqa, sink, local):
@@ -174,6 +188,10 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
     for selector in (eager, fixed):
         selector.prefill(keys[..., :prompt, :], keys[..., :prompt, :], queries[..., :prompt, :])
 
+    def store(selector, n):  # a compressing selector (self-index) keeps token n - 1 itself
+        if cls.stores_kv:
+            selector.store(keys[..., n - 1 : n, :], keys[..., n - 1 : n, :])
+
     def ordinary_step(n):
         visible = torch.ones(batch, 1, n, dtype=torch.bool)
         forced = forced_tokens(visible, config.sink, config.local)
@@ -192,8 +210,9 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
         return DecodeStep(on(queries[..., n - 1 : n, :]), on(buffer), on(buffer), on(visible), on(forced),
                           on(budgets), layer, gqa, hints)  # fmt: skip
 
-    fixed.select(ordinary_step(prompt + 1))  # the first decode step completes the state
-    eager.select(ordinary_step(prompt + 1))
+    for selector in (fixed, eager):  # the first decode step completes the state
+        store(selector, prompt + 1)
+        selector.select(ordinary_step(prompt + 1))
     fixed.begin_fixed_shape(capacity)
     buffer = torch.zeros(batch, 2, capacity, 16)
     buffer[..., : prompt + 1, :] = keys[..., : prompt + 1, :]
@@ -208,11 +227,18 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
         position = torch.full((1,), n - 1)
         fixed.append_fixed_shape(keys[..., n - 1 : n, :], keys[..., n - 1 : n, :], position)
         got = fixed.select(fixed_step(n, buffer)).to_mask(capacity)
+        store(eager, n)
         want = eager.select(ordinary_step(n)).to_mask(n)
         assert not got[..., n:].any()
         assert torch.equal(got[..., :n], want), n
     fixed.end_fixed_shape(total)
     # back to ordinary steps: the state carries over
+    if cls.stores_kv:  # one more token, so that the compressing selector's ordinary append runs too
+        keys = torch.cat([keys, torch.randn(batch, 2, 1, 16, generator=generator)], dim=2)
+        queries = torch.cat([queries, torch.randn(batch, 4, 1, 16, generator=generator)], dim=2)
+        total += 1
+        store(fixed, total)
+        store(eager, total)
     more = ordinary_step(total)
     assert torch.equal(fixed.select(more).to_mask(total), eager.select(more).to_mask(total))
 
@@ -236,6 +262,35 @@ def test_quest_fixed_shape_step_with_the_device_select_keeps_the_eager_set(monke
     test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("quest", {"page_size": page_size}, gqa,
                                                                                  sink=2, local=3)  # fmt: skip
     assert ranges and all(hi == ((75 - 1) // page_size + 3) * page_size - 1 for _, hi in ranges)  # capacity 75
+
+
+@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"residual": 8, "k_group": 4, "sink_tokens": 4}])
+@pytest.mark.parametrize("gqa", ["group", "head"])
+def test_self_index_fixed_shape_device_rule_keeps_the_eager_set(monkeypatch, options, gqa):
+    """On CUDA self-index's fixed-shape step ranks with unsorted top-k and drops each row's surplus over its own
+    budget (`_best_within`); here that rule runs in place of the CPU's stable sort of whole rows."""
+    from sparsekv.selectors.self_index import selector
+
+    calls = []
+    monkeypatch.setattr(selector, "_device_rule", lambda scores: calls.append(scores.shape) or True)
+    test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("self-index", options, gqa,
+                                                                                 sink=2, local=3)  # fmt: skip
+    assert calls and all(shape[-1] == 75 for shape in calls)  # the whole buffer (capacity 75)
+
+
+def test_best_within_keeps_each_rows_budget_of_its_best_values():
+    from sparsekv.selectors.self_index.selector import _best_within
+
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(3, 2, 1, 40, generator=generator)
+    values[0, 0, 0, :5] = float("-inf")  # never valid, and they take no budget
+    budgets = torch.tensor([30, 36, 40]).view(3, 1, 1, 1)
+    kept = _best_within(values, budgets, min_budget=30)
+    ranked = values.sort(dim=-1, descending=True).indices
+    want = torch.zeros_like(kept).scatter(-1, ranked, (torch.arange(40) < budgets).expand_as(kept))
+    want &= values > float("-inf")
+    assert torch.equal(kept, want)
+    assert kept.sum(-1).flatten().tolist() == [30, 30, 36, 36, 40, 40]
 
 
 def test_sparsekv_generate_decodes_through_the_same_path(real_model):

@@ -125,8 +125,9 @@ class SparseLayer(DynamicLayer):
         host count (`length`) is advanced by `SparseCache.advance_fixed_shape` once the step has run."""
         if key_states.shape[-2] != 1:
             raise ConfigError("fixed-shape decoding takes one new token per forward")
-        self._key_buffer.index_copy_(-2, self.fixed_position, key_states)
-        self._value_buffer.index_copy_(-2, self.fixed_position, value_states)
+        if not self.stores_kv:  # a compressing selector writes the token itself (`append_fixed_shape`)
+            self._key_buffer.index_copy_(-2, self.fixed_position, key_states)
+            self._value_buffer.index_copy_(-2, self.fixed_position, value_states)
         self.new_tokens = 1
         self.new_keys, self.new_values = key_states, value_states
         return self.keys, self.values
@@ -134,15 +135,18 @@ class SparseLayer(DynamicLayer):
     def begin_fixed_shape(self, position: torch.Tensor, capacity: int) -> None:
         """Hands attention the buffer's first `capacity` slots from now on, zeros past the cached tokens (masked
         slots must not hold NaN garbage: a zero attention weight times NaN is NaN)."""
-        if (self.selector is not None and self.prompt_open) or self._key_buffer is None:
+        if not self.holds_prompt:
             raise ConfigError("fixed-shape decoding starts after the prompt")
-        if self._key_buffer.shape[-2] < capacity:
-            self._key_buffer = self._grow(self._key_buffer, self._key_buffer, capacity)
-            self._value_buffer = self._grow(self._value_buffer, self._value_buffer, capacity)
-        self._key_buffer[..., self.length :, :].zero_()
-        self._value_buffer[..., self.length :, :].zero_()
-        self.keys = self._key_buffer[..., :capacity, :]
-        self.values = self._value_buffer[..., :capacity, :]
+        if self.stores_kv:
+            self.keys = self.values = self._stand_in(capacity)
+        else:
+            if self._key_buffer.shape[-2] < capacity:
+                self._key_buffer = self._grow(self._key_buffer, self._key_buffer, capacity)
+                self._value_buffer = self._grow(self._value_buffer, self._value_buffer, capacity)
+            self._key_buffer[..., self.length :, :].zero_()
+            self._value_buffer[..., self.length :, :].zero_()
+            self.keys = self._key_buffer[..., :capacity, :]
+            self.values = self._value_buffer[..., :capacity, :]
         self.fixed_position = position
         for state in (self.selector, self.pruner):
             if state is not None:
@@ -153,8 +157,11 @@ class SparseLayer(DynamicLayer):
         dense fallback), so their state ends at that length and takes the later tokens in one `append`."""
         self.fixed_position = None
         self.new_keys = self.new_values = None
-        self.keys = self._key_buffer[..., : self.length, :]
-        self.values = self._value_buffer[..., : self.length, :]
+        if self.stores_kv:
+            self.keys = self.values = self._stand_in(self.length)
+        else:
+            self.keys = self._key_buffer[..., : self.length, :]
+            self.values = self._value_buffer[..., : self.length, :]
         for state in (self.selector, self.pruner):
             if state is None:
                 continue
@@ -163,6 +170,24 @@ class SparseLayer(DynamicLayer):
             else:
                 state.end_fixed_shape(unseen_from)
                 state.append(self.keys[..., unseen_from:, :], self.values[..., unseen_from:, :])
+
+    @property
+    def stores_kv(self) -> bool:
+        """The layer's selector keeps the K/V itself (compressed caches): the layer holds no K/V buffer."""
+        return self.selector is not None and self.selector.stores_kv
+
+    @property
+    def holds_prompt(self) -> bool:
+        """The whole prompt is cached (in the layer's buffer, or in a compressing selector's storage)."""
+        if self.selector is not None and self.prompt_open:
+            return False
+        return self._key_buffer is not None or (self.stores_kv and self.keys is not None)
+
+    def _stand_in(self, length: int) -> torch.Tensor:
+        """What attention is handed as K and V when the selector keeps them (`TokenSelector.store`): [B, Hkv,
+        length, 1], one element expanded, so that code reading the length off the keys sees `length`."""
+        b, h = self.keys.shape[:2]
+        return self.keys.new_zeros(1, 1, 1, 1).expand(b, h, length, 1)
 
     def get_seq_length(self) -> int:
         # the layer's own count: a compressed layer hands attention a zero-width stand-in for its K/V
@@ -191,9 +216,11 @@ class SparseLayer(DynamicLayer):
         self.prompt_open = False
         self.prompt_tokens = keys.shape[-2]
         self._prompt_queries = None
-        if self.selector is not None and self.selector.stores_kv:
-            # the selector compressed the prompt in its prefill and keeps every later token itself
+        if self.stores_kv:
+            # the selector compressed the prompt in its prefill and keeps every later token itself: the 16-bit
+            # prompt is released now, not at the first decode step
             self._key_buffer = self._value_buffer = None
+            self.keys = self.values = self._stand_in(self.length)
 
     def _grow(self, buffer: torch.Tensor | None, like: torch.Tensor, capacity: int) -> torch.Tensor:
         shape = (*like.shape[:-2], capacity, like.shape[-1])
@@ -430,7 +457,7 @@ class SparseCache(Cache):
             # the method first: a compressing selector (self-index) keeps no plain K/V buffer, which is not the reason
             if layer.selector is not None and not layer.selector.fixed_shape:
                 return f"{layer.selector.name} has no fixed-shape decode step"
-            if (layer.selector is not None and layer.prompt_open) or layer._key_buffer is None:
+            if not layer.holds_prompt:
                 return "the prompt has not been cached"
         if capacity <= self.layers[0].length:
             return f"no room: {self.layers[0].length} tokens cached, capacity {capacity}"
@@ -442,10 +469,10 @@ class SparseCache(Cache):
         read or written by the step, so one CUDA graph replays every step (`sparsekv.graph_decode`)."""
         if (why := self.fixed_shape_refusal(capacity)) is not None:
             raise ConfigError(f"fixed-shape decoding is not available: {why}")
-        buffer = self.layers[0]._key_buffer
-        device = buffer.device
+        keys = self.layers[0].keys  # the buffer's view, or a compressing selector's stand-in
+        device = keys.device
         length = self.fixed_start = self.layers[0].length
-        self.fixed_dense = self.decodes_densely((length + 1) * buffer.shape[0])  # the first step's keys
+        self.fixed_dense = self.decodes_densely((length + 1) * keys.shape[0])  # the first step's keys
         self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
         self.fixed_slots = torch.arange(capacity, device=device)
         self.fixed_visible = torch.zeros(1, 1, capacity, dtype=torch.bool, device=device)
@@ -485,7 +512,7 @@ class SparseCache(Cache):
         for idx, (layer, info) in enumerate(zip(self.layers, self.infos)):
             if layer.selector is not None and steps > 0:
                 heads = info.num_kv_heads if self.config.gqa == "group" else info.num_heads
-                rows = layer._key_buffer.shape[0] * heads
+                rows = layer.keys.shape[0] * heads
                 # step t sees fixed_start + t + 1 tokens
                 seen = steps * (self.fixed_start + 1) + steps * (steps - 1) // 2
                 self.stats.add_host(idx, kept=seen * rows, seen=seen * rows, fraction=steps * rows, rows=steps * rows)

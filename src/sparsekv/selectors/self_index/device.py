@@ -29,8 +29,7 @@ def applies(kv: CompressedStore, step: DecodeStep) -> bool:
 
 
 def _tail_from(kv: CompressedStore, q_len: int, device: torch.device) -> torch.Tensor:
-    n = kv.rows.length
-    return kv.tail_from(torch.arange(n - q_len, n, device=device))
+    return kv.tail_from(kv.query_positions(q_len, device))
 
 
 def candidate_scores(kv: CompressedStore, step: DecodeStep, index: torch.Tensor) -> torch.Tensor | None:

@@ -69,6 +69,7 @@ class SelfIndexSelector(TokenSelector):
 
     name = "self-index"
     stores_kv = True
+    fixed_shape = True
     #: a 2-bit cache cannot reproduce dense logits tightly (kv_bits=16 can)
     lossy: ClassVar[bool] = True
 
@@ -192,7 +193,16 @@ class SelfIndexSelector(TokenSelector):
         N the cached length, one element expanded (no memory per token; `attend` reads the selector's storage).
         Not empty, so that code reading the length off the keys (transformers' layers do) sees N, not 0."""
         b, h = like.shape[:2]
-        return like.new_zeros(1, 1, 1, 1).expand(b, h, self.kv.rows.length, 1)
+        return like.new_zeros(1, 1, 1, 1).expand(b, h, self.kv.rows.view_length, 1)
+
+    def begin_fixed_shape(self, capacity: int) -> None:
+        self.kv.begin_fixed(capacity)
+
+    def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        self.kv.append_fixed(keys, values, position)
+
+    def end_fixed_shape(self, length: int) -> None:
+        self.kv.end_fixed(length)
 
     def prompt_query_window(self) -> int | None:
         # the sinks are the tokens these queries attend most
@@ -257,6 +267,8 @@ class SelfIndexSelector(TokenSelector):
             # every key visible, forced keys are two index ranges: set in place, no [B, H, Q, N] masks
             forced = _force(scores, step.hints.sink, step.hints.local, float("inf"))
             return self._select_uniform_device(step, forced, k_max)
+        if step.hints is not None and step.hints.fixed and _device_rule(scores):
+            return self._select_fixed_device(step, scores, k_max)
         visible = step.visible[:, None]
         scores = scores.masked_fill(~visible, float("-inf")).masked_fill(step.forced[:, None], float("inf"))
         if self.rescore > 0:
@@ -283,6 +295,26 @@ class SelfIndexSelector(TokenSelector):
         else:
             values, indices = scores.topk(k_max, dim=-1, sorted=False)
         return Selection(indices=indices, valid=values > float("-inf"))
+
+    def _select_fixed_device(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> Selection:
+        """`select` on a fixed-shape device step (the whole preallocated buffer, unwritten slots masked, budgets
+        on the device under the host bound k_max): the uniform step's two top-k, after each of which a row drops
+        its surplus over its own budget, so the set equals the CPU rule's up to how torch.topk orders equal
+        scores. No host sync: the step is captured in a CUDA graph."""
+        scores = scores.masked_fill(~step.visible[:, None], float("-inf"))
+        scores = scores.masked_fill(step.forced[:, None], float("inf"))
+        budgets = step.budgets[:, None, :, None]
+        min_budget = step.hints.min_budget if step.hints.min_budget is not None else 0
+        if self.rescore > 0:
+            first, index = scores.topk(min(scores.shape[-1], self.rescore * k_max), dim=-1, sorted=False)
+            keep = _best_within(first, self.rescore * budgets, self.rescore * min_budget)
+            fine = self._candidate_scores(step, index)
+            second = torch.where(first >= SINK_BASE, first, fine).masked_fill(~keep, float("-inf"))
+            values, pick = second.topk(k_max, dim=-1, sorted=False)
+            indices = index.gather(-1, pick)
+        else:
+            values, indices = scores.topk(k_max, dim=-1, sorted=False)
+        return Selection(indices=indices, valid=_best_within(values, budgets, min_budget))
 
     def _rescored(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> torch.Tensor:
         """Second stage: the LUT's best `rescore` x budget tokens of each row are re-ranked by q . K read from the
@@ -317,11 +349,10 @@ class SelfIndexSelector(TokenSelector):
         s, c = index.shape[1], index.shape[-1]
         out = torch.empty(index.shape, dtype=work, device=index.device)
         chunk = max(1, (1 << 22) // max(1, b * s * c * d))
-        n = self.kv.rows.length
+        all_positions = self.kv.query_positions(q_len, index.device)
         for lo in range(0, q_len, chunk):
             hi = min(q_len, lo + chunk)
-            positions = torch.arange(n - q_len + lo, n - q_len + hi, device=index.device)
-            keys = self.kv.read_keys(index[:, :, lo:hi], positions)  # [B, S, q, C, d]
+            keys = self.kv.read_keys(index[:, :, lo:hi], all_positions[lo:hi])  # [B, S, q, C, d]
             out[:, :, lo:hi] = torch.einsum("bsqd,bsqcd->bsqc", query[:, :, lo:hi], keys)
         return out.float()
 
@@ -346,15 +377,14 @@ class SelfIndexSelector(TokenSelector):
         chunk = max(1, (1 << 22) // max(1, b * s * k_sel * d))
         # with v_rotate the rotated output stays in the work dtype until it is un-rotated
         out = query.new_empty(b, hq, q_len, d, dtype=query.dtype if kv.v_signs is None else kv.mu.dtype)
-        n = kv.rows.length
+        all_positions = kv.query_positions(q_len, query.device)
         for lo in range(0, q_len, chunk):
             hi = min(q_len, lo + chunk)
-            positions = torch.arange(n - q_len + lo, n - q_len + hi, device=query.device)
             out[:, :, lo:hi] = self._attend_chunk(
                 query[:, :, lo:hi],
                 selection.indices[:, :, lo:hi],
                 selection.valid[:, :, lo:hi],
-                positions,
+                all_positions[lo:hi],
                 scaling,
             )
         return out if kv.v_signs is None else kv.unrotate_values(out).to(query.dtype)
@@ -370,3 +400,23 @@ class SelfIndexSelector(TokenSelector):
         weights = torch.softmax(logits, dim=-1)
         out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
         return out.reshape(b, hq, q, d).to(query.dtype if self.kv.v_signs is None else work)
+
+
+def _device_rule(scores: torch.Tensor) -> bool:
+    """Whether a fixed-shape step selects with the device rule (`_select_fixed_device`): off the CPU, which ranks
+    whole rows with a stable sort instead (tests substitute the device rule there)."""
+    return scores.device.type != "cpu"
+
+
+def _best_within(values: torch.Tensor, budgets: torch.Tensor, min_budget: int) -> torch.Tensor:
+    """[..., k] bool: the `budgets` best of each row's k unsorted `values` (budgets broadcast over the rows and
+    >= min_budget; -inf entries never count). Only the k - min_budget lowest can drop out, so only those are
+    ranked."""
+    k = values.shape[-1]
+    valid = values > float("-inf")
+    surplus = k - min_budget
+    if surplus <= 0:
+        return valid
+    lowest = values.topk(min(surplus, k), dim=-1, largest=False, sorted=True).indices
+    dropped = torch.arange(lowest.shape[-1], device=values.device) < (k - budgets)
+    return valid.scatter(-1, lowest, valid.gather(-1, lowest) & ~dropped)

@@ -60,6 +60,7 @@ class _Buffers:
         self.tensors: dict[str, torch.Tensor] = {}
         self.length = 0
         self.reserve, self.step = reserve, step
+        self.fixed_rows: int | None = None
 
     def append(self, **new: torch.Tensor) -> None:
         count = next(iter(new.values())).shape[2]
@@ -75,8 +76,34 @@ class _Buffers:
             self.tensors[name][:, :, self.length : needed] = value
         self.length = needed
 
+    @property
+    def view_length(self) -> int:
+        """Rows a view shows: the tokens held, or the whole capacity during fixed-shape decoding (`fix`)."""
+        return self.length if self.fixed_rows is None else self.fixed_rows
+
     def view(self, name: str) -> torch.Tensor:
-        return self.tensors[name][:, :, : self.length]
+        return self.tensors[name][:, :, : self.view_length]
+
+    def fix(self, rows: int, slack: int = 0) -> None:
+        """Fixed-shape decoding: room for `rows` rows plus `slack` rows past them (writes of whole blocks that
+        may reach past the last row), zeros past the held ones, and views of all `rows` rows until `unfix`."""
+        for name, buf in self.tensors.items():
+            if buf.shape[2] < rows + slack:
+                grown = buf.new_zeros(*buf.shape[:2], rows + slack, *buf.shape[3:])
+                grown[:, :, : self.length] = buf[:, :, : self.length]
+                self.tensors[name] = grown
+            else:
+                buf[:, :, self.length :].zero_()
+        self.fixed_rows = rows
+
+    def write(self, rows: torch.Tensor, **new: torch.Tensor) -> None:
+        """Writes new[name] [B, H, T, c] at the device row indices `rows` [T] (no host count changes)."""
+        for name, value in new.items():
+            self.tensors[name].index_copy_(2, rows, value)
+
+    def unfix(self, length: int) -> None:
+        """Fixed-shape decoding ended with rows [0, length) written."""
+        self.fixed_rows, self.length = None, length
 
     def nbytes(self) -> dict[str, int]:
         return {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
@@ -112,6 +139,8 @@ class CompressedStore:
         self.sink_positions = self.sink_rank = self.sink_keys = self.sink_values = None
         # R = diag(signs) x rot_base, set at the prefill: v_signs with v_rotate, k_signs with k_rotate (one tensor)
         self.v_signs = self.k_signs = self.rot_base = None
+        #: fixed-shape decoding (`begin_fixed`): the device position [1] of the step's token, else None
+        self.fixed_position: torch.Tensor | None = None
 
     @property
     def compressed(self) -> bool:
@@ -280,13 +309,97 @@ class CompressedStore:
         self.rows.tensors["k_mag"][:, :, start : start + t - pad] = pack_bits(codes, self.k_bits)
         self.k_blocks.append(k_scale=scale.squeeze(-1))
 
+    # --- fixed-shape decoding ---------------------------------------------------------------------------------
+
+    def begin_fixed(self, capacity: int) -> None:
+        """Fixed-shape decoding up to `capacity` tokens: every buffer gets its room once, views show all of it
+        (unwritten rows are zeros, masked by the step's visibility), and `append_fixed` writes at a device
+        position. The 16-bit tail then holds every token from its current start on (it is not cut back at each
+        residual block, which would be a host decision), so reads find a query's block at the same offsets."""
+        slack = self.k_group if self.channel_axis else 0  # whole K blocks are rewritten (`_compress_open_block`)
+        self.rows.fix(capacity, slack)
+        if self.compressed and self.residual > 0:
+            self.tail.fix(capacity - self.tail_start, slack)
+        if self.channel_axis:
+            self.k_blocks.fix((capacity + self.k_pad) // self.k_group + 1)
+
+    def append_fixed(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """`append` of one token (keys / values [B, Hkv, 1, d] as the model gives them) at the device position
+        [1]: the same rows as `append` writes, from device values only (a CUDA graph replays it)."""
+        self.fixed_position = position
+        keys = self.rotate_keys(keys)
+        work = work_dtype(keys)
+        centred = keys.to(work) - self.mu
+        rotated = self.rotate_values(values, work)
+        parts = {"sign_bits": pack_sign_bits(centred)}
+        if self.compressed:
+            if not self.channel_axis:
+                mag, mag_scale, mag_zero = quantize(
+                    centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
+                )
+                parts.update(k_mag=mag, k_scale=mag_scale)
+                if self.k_zero:
+                    parts.update(k_zero=mag_zero)
+            val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
+            parts.update(v=val, v_scale=val_scale, v_zero=val_zero)
+        else:
+            parts.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
+        self.rows.write(position, **parts)
+        if self.compressed and self.residual > 0:
+            fp = self._fp_dtype(keys)
+            v = values if self.v_signs is None else rotated
+            self.tail.write(position - self.tail_start, k=keys.to(fp), v=v.to(fp))
+        if self.channel_axis:
+            self._compress_open_block(position)
+
+    def _compress_open_block(self, position: torch.Tensor) -> None:
+        """k_axis="channel" in fixed-shape steps: the K block holding `position` is (re)compressed from the 16-bit
+        tail at every step, its unwritten tokens counting as 0. Once its last token is in, the codes and scales are
+        `_compress_k_blocks`'s; before that nobody reads them (the open block lies inside the query's residual
+        block, which is read from the tail)."""
+        g = self.k_group
+        first = self.decode_start + (position - self.decode_start) // g * g  # [1]
+        slots = first + torch.arange(g, device=position.device)
+        work = self.mu.dtype
+        x = (self.tail.tensors["k"].index_select(2, slots - self.tail_start).to(work) - self.mu).abs() / self.alpha
+        x = x.masked_fill((slots > position)[:, None], 0)  # [B, H, G, d]
+        b, h, _, d = x.shape
+        codes, scale, _ = quantize_codes(x.transpose(-1, -2).unsqueeze(2), self.k_bits, g, with_zero=False)
+        self.rows.write(slots, k_mag=pack_bits(codes.squeeze(2).transpose(-1, -2), self.k_bits))
+        self.k_blocks.write((first + self.k_pad) // g, k_scale=scale.view(b, h, 1, d))
+
+    def end_fixed(self, length: int) -> None:
+        """Fixed-shape decoding ended with `length` tokens written: the host state `append` continues from."""
+        self.fixed_position = None
+        self.rows.unfix(length)
+        if self.channel_axis:
+            self.k_done = self.decode_start + (length - self.decode_start) // self.k_group * self.k_group
+            self.k_blocks.unfix((self.k_done + self.k_pad) // self.k_group)
+        if self.compressed and self.residual > 0:
+            # the tail keeps the residual block of the last token, as `append` leaves it
+            last = length - 1
+            block = max(self.tail_start, self.decode_start + (last - self.decode_start) // self.residual * self.residual)
+            held = {name: self.tail.tensors[name][:, :, block - self.tail_start : length - self.tail_start].clone()
+                    for name in ("k", "v")}  # fmt: skip
+            self.tail = _Buffers(reserve=self.residual, step=self.residual)
+            self.tail.append(**held)
+            self.tail_start = block
+
+    def query_positions(self, q_len: int, device: torch.device) -> torch.Tensor:
+        """[Q] positions of a step's queries: the last `q_len` tokens, or the device position of a fixed-shape
+        step."""
+        if self.fixed_position is not None:
+            return self.fixed_position
+        n = self.rows.length
+        return torch.arange(n - q_len, n, device=device)
+
     # --- reads ------------------------------------------------------------------------------------------------
 
     def tail_from(self, positions: torch.Tensor) -> torch.Tensor:
         """[Q]: the first token that the queries at `positions` [Q] read from the 16-bit tail (their residual
         block, within the tail); past every token without a residual block."""
         if self.residual <= 0:
-            return torch.full_like(positions, self.rows.length)
+            return torch.full_like(positions, self.rows.view_length)
         block = self.decode_start + (positions - self.decode_start) // self.residual * self.residual
         return block.clamp(min=self.tail_start)
 
@@ -312,7 +425,7 @@ class CompressedStore:
         if not self.compressed:
             return self._gather(self.rows, "k_full", indices).to(work) - mu
         if self.k_axis == "channel":
-            rows = ((indices + self.k_pad) // self.k_group).clamp(max=self.k_blocks.length - 1)  # later: tail
+            rows = ((indices + self.k_pad) // self.k_group).clamp(max=self.k_blocks.view_length - 1)  # later: tail
             scale = self._gather(self.k_blocks, "k_scale", rows)
         else:
             scale = self._gather(self.rows, "k_scale", indices)
@@ -356,9 +469,9 @@ class CompressedStore:
             src = self.sink_keys if which == "k" else self.sink_values
             sink = self._per_head(src, s).to(work).gather(2, flat).view(b, s, q, k, d)
             rows = torch.where(is_sink, sink, rows)
-        if self.residual > 0 and self.tail.length > 0:
+        if self.residual > 0 and self.tail.view_length > 0:
             in_block = indices >= self.tail_from(positions)[None, None, :, None]
-            local = (indices - self.tail_start).clamp(0, self.tail.length - 1)
+            local = (indices - self.tail_start).clamp(0, self.tail.view_length - 1)
             tail = self._gather(self.tail, which, local).to(work)
             rows = torch.where(in_block[..., None], tail, rows)
         return rows
@@ -366,7 +479,7 @@ class CompressedStore:
     def kernel_view(self) -> CompressedKV:
         """The stored bytes as `kernels.compressed_kv` reads them (compressed rows, float32 statistics)."""
         channel = self.k_axis == "channel"
-        tail = self.residual > 0 and self.tail.length > 0
+        tail = self.residual > 0 and self.tail.view_length > 0
         return CompressedKV(
             sign_bits=self.rows.view("sign_bits"),
             k_mag=self.rows.view("k_mag"),
