@@ -330,3 +330,21 @@ def test_cli_reports_a_missing_eval_extra_as_one_line_before_running(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert (proc.stdout + proc.stderr).strip().splitlines() == [f"error: {EVAL_EXTRA_LINE}"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("given,used", [(None, 0), (4096, 4096)])
+def test_prompt_tasks_measure_the_method_not_its_dense_fallback(monkeypatch, given, used):
+    """On CUDA generation attends densely below a method's speed crossover; an evaluation turns that off unless the
+    config sets it (what the GPU eval grids need: every context they run lies below lsh's crossover)."""
+    from sparsekv.eval import common
+
+    seen = []
+    monkeypatch.setattr(common.sparsekv, "generate", lambda model, tok, prompt, config, **kw: seen.append(config))
+
+    class Handle:
+        def get(self):
+            return None, None
+
+    config = SparseConfig(method="lsh", budget=0.1, dense_below=given)
+    common.greedy(Handle(), config, "prompt", max_new_tokens=4, seed=0)
+    assert seen[0].dense_below == used and seen[0].method == "lsh" and seen[0].budget == 0.1

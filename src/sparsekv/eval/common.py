@@ -6,6 +6,7 @@ module keeps only what is its own: its data, its cell's computation and its metr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import importlib
@@ -512,4 +513,8 @@ def greedy(handle: ModelHandle, config: SparseConfig, prompt: str, max_new_token
     """`sparsekv.generate` of `prompt` (already chat-formatted) with torch seeded: a GenerationResult."""
     model, tokenizer = handle.get()
     seed_everything(seed)
+    if config.dense_below is None:
+        # an evaluation measures the method itself: on CUDA generation would otherwise attend densely below the
+        # method's measured speed crossover (`SparseConfig.dense_below`), i.e. at every context a GPU eval runs
+        config = dataclasses.replace(config, dense_below=0)
     return sparsekv.generate(model, tokenizer, prompt, config, max_new_tokens=max_new_tokens)
