@@ -260,6 +260,11 @@ class SparseLayer(DynamicLayer):
     reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
 
 
+def _visible_rows(visible: torch.Tensor, heads: int) -> torch.Tensor:
+    """visible [B, Q, N] -> the visible count of every selection row [B * heads * Q], in `Selection` order."""
+    return visible.sum(-1)[:, None].expand(-1, heads, -1).flatten()
+
+
 class BudgetStats:
     """Tokens attended per (query, selection head) row of the sparse layers' decode steps.
 
@@ -284,22 +289,22 @@ class BudgetStats:
 
     def record(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
         """selection counts [B, S, Q]; visible [B, Q, N]."""
-        kept = selection.counts().flatten()
-        seen = visible.sum(-1)[:, None].expand(-1, selection.indices.shape[1], -1).flatten()
-        if kept.device.type == "cpu":
-            self._kept[layer_idx].append(kept.to("cpu", torch.int32))
-            self._seen[layer_idx].append(seen.to("cpu", torch.int32))
-        else:
-            self._pending.append((layer_idx, kept.to(torch.int32), seen.to(torch.int32)))
+        self._append_counts(layer_idx, selection.counts().flatten(), _visible_rows(visible, selection.indices.shape[1]))
 
     def record_all_visible(self, layer_idx: int, visible: torch.Tensor, heads: int) -> None:
         """`record` for a step whose rows attended every visible token (the dense fallback); visible [B, Q, N]."""
-        seen = visible.sum(-1)[:, None].expand(-1, heads, -1).flatten()
-        if seen.device.type == "cpu":
-            self._kept[layer_idx].append(seen.to(torch.int32))
-            self._seen[layer_idx].append(seen.to(torch.int32))
+        seen = _visible_rows(visible, heads)
+        self._append_counts(layer_idx, seen, seen)
+
+    def _append_counts(self, layer_idx: int, kept: torch.Tensor, seen: torch.Tensor) -> None:
+        """Per-row (kept, visible) counts of one eager step: kept on the CPU at once, device ones read later (the
+        step itself never syncs)."""
+        kept, seen = kept.to(torch.int32), seen.to(torch.int32)
+        if kept.device.type == "cpu":
+            self._kept[layer_idx].append(kept)
+            self._seen[layer_idx].append(seen)
         else:
-            self._pending.append((layer_idx, seen.to(torch.int32), seen.to(torch.int32)))
+            self._pending.append((layer_idx, kept, seen))
 
     def prepare_sums(self, device: torch.device) -> None:
         """Allocates the device sums (outside any CUDA graph capture, so every replay adds to the same tensor)."""
