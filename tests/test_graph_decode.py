@@ -129,6 +129,30 @@ def test_compiled_fixed_shape_step_equals_eager():
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
 
 
+def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch):
+    """`compile_step=True` with self-index: the store's token encoding and open K block, and (with the device rule,
+    substituted here on CPU) the selection around the re-rank run through torch.compile; same tokens and stats as
+    the eager path."""
+    from sparsekv.selectors.self_index import selector
+
+    monkeypatch.setattr(selector, "_device_rule", lambda scores: True)
+    model = random_model("tiny-llama", dtype=torch.float32, num_hidden_layers=3)
+    ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(0))
+    config = SparseConfig(method="self-index", budget=0.2, dense_below=0, options={"residual": 8, "k_group": 4})
+    eager, _, eager_cache = _generate(model, ids, config, graph_decode=False, steps=12, pad_token_id=0)
+    torch._dynamo.reset()
+    with sparsekv.enabled(model, config, graph_decode=True, compile_step=True) as runtime:
+        out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+        compiled_cache = sparsekv.last_cache(model)
+        assert runtime.graph.steps.get("fixed-shape") == 10
+    assert torch.equal(out[:, ids.shape[1] :], eager)
+    store = compiled_cache.layers[-1].selector.kv
+    assert set(store._compiled_methods) == {"_encode_token", "_open_block"}
+    assert {fn.__name__ for fn in selector._COMPILED} == {"_fixed_candidates", "_fixed_rerank"}
+    stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
+    assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("method,budget", FIXED_SHAPE_METHODS)
 def test_cuda_graph_replays_equal_eager(method, budget):

@@ -132,7 +132,7 @@ class SparseLayer(DynamicLayer):
         self.new_keys, self.new_values = key_states, value_states
         return self.keys, self.values
 
-    def begin_fixed_shape(self, position: torch.Tensor, capacity: int) -> None:
+    def begin_fixed_shape(self, position: torch.Tensor, capacity: int, compiled: bool = False) -> None:
         """Hands attention the buffer's first `capacity` slots from now on, zeros past the cached tokens (masked
         slots must not hold NaN garbage: a zero attention weight times NaN is NaN)."""
         if not self.holds_prompt:
@@ -150,6 +150,7 @@ class SparseLayer(DynamicLayer):
         self.fixed_position = position
         for state in (self.selector, self.pruner):
             if state is not None:
+                state.compiled_step = compiled
                 state.begin_fixed_shape(capacity)
 
     def end_fixed_shape(self, unseen_from: int | None = None) -> None:
@@ -468,10 +469,11 @@ class SparseCache(Cache):
             return f"no room: {self.layers[0].length} tokens cached, capacity {capacity}"
         return None
 
-    def begin_fixed_shape(self, capacity: int) -> None:
+    def begin_fixed_shape(self, capacity: int, compiled: bool = False) -> None:
         """From now on every forward writes one token at `fixed_position` and attention sees the first `capacity`
         slots of each layer's buffer, masked by `fixed_visible`: the same shapes at every step, no host value
-        read or written by the step, so one CUDA graph replays every step (`sparsekv.graph_decode`)."""
+        read or written by the step, so one CUDA graph replays every step (`sparsekv.graph_decode`). `compiled`:
+        the step's forward is compiled (`compile_step`), which the selectors are told (`compiled_step`)."""
         if (why := self.fixed_shape_refusal(capacity)) is not None:
             raise ConfigError(f"fixed-shape decoding is not available: {why}")
         keys = self.layers[0].keys  # the buffer's view, or a compressing selector's stand-in
@@ -483,7 +485,7 @@ class SparseCache(Cache):
         self.fixed_visible = torch.zeros(1, 1, capacity, dtype=torch.bool, device=device)
         self.stats.prepare_sums(device)
         for layer in self.layers:
-            layer.begin_fixed_shape(self.fixed_position, capacity)
+            layer.begin_fixed_shape(self.fixed_position, capacity, compiled)
         self.prepare_fixed_step()
 
     def decodes_densely(self, cached_tokens: int) -> bool:

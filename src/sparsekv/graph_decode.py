@@ -110,7 +110,7 @@ class GraphDecode:
                 self.graph = None
             return self._count(f"eager: {why}", self.forward(*args, **kwargs))
         if self.cache.fixed_position is None:
-            self.cache.begin_fixed_shape(self.capacity)
+            self.cache.begin_fixed_shape(self.capacity, compiled=self.compile_step)
             self.graph, self.output = None, None
         return self._fixed_step(kwargs)
 

@@ -449,6 +449,8 @@ class TokenSelector:
     #: the method has a fixed-shape decode step (`append_fixed_shape`, and a `select` that reads no host value of
     #: the device): one CUDA graph then replays every decode step of `model.generate()` (`sparsekv.graph_decode`)
     fixed_shape: ClassVar[bool] = False
+    #: set by `SparseCache.begin_fixed_shape`: the fixed-shape steps run compiled (`compile_step=True`)
+    compiled_step: bool = field(default=False, init=False, repr=False, compare=False)
     #: the dense fallback's default (`SparseConfig.dense_below`): cached tokens over the batch below which this
     #: method's captured step was measured slower than the captured dense step (`sparsekv bench generate`, H200)
     dense_below: ClassVar[int] = 0
@@ -517,7 +519,9 @@ class TokenSelector:
 
     def begin_fixed_shape(self, capacity: int) -> None:
         """Fixed-shape decoding starts (`fixed_shape` methods): make room for `capacity` tokens in the state, once.
-        Until `end_fixed_shape`, steps see the whole capacity (`step.visible` masks the slots not yet written)."""
+        Until `end_fixed_shape`, steps see the whole capacity (`step.visible` masks the slots not yet written).
+        `compiled_step` is set before: the step is compiled (`compile_step=True`), so a method may run its own
+        tensor code through torch.compile too."""
 
     def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
         """`append` of one token at a device position [1] (no host count changes: a CUDA graph replays it)."""

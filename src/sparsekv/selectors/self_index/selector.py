@@ -199,7 +199,7 @@ class SelfIndexSelector(TokenSelector):
         self.kv.begin_fixed(capacity)
 
     def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
-        self.kv.append_fixed(keys, values, position)
+        self.kv.append_fixed(keys, values, position, compiled=self.compiled_step)
 
     def end_fixed_shape(self, length: int) -> None:
         self.kv.end_fixed(length)
@@ -300,21 +300,19 @@ class SelfIndexSelector(TokenSelector):
         """`select` on a fixed-shape device step (the whole preallocated buffer, unwritten slots masked, budgets
         on the device under the host bound k_max): the uniform step's two top-k, after each of which a row drops
         its surplus over its own budget, so the set equals the CPU rule's up to how torch.topk orders equal
-        scores. No host sync: the step is captured in a CUDA graph."""
-        scores = scores.masked_fill(~step.visible[:, None], float("-inf"))
-        scores = scores.masked_fill(step.forced[:, None], float("inf"))
-        budgets = step.budgets[:, None, :, None]
+        scores. No host sync: the step is captured in a CUDA graph. With `compiled_step` the two stages around
+        the re-rank run through torch.compile."""
         min_budget = step.hints.min_budget if step.hints.min_budget is not None else 0
-        if self.rescore > 0:
-            first, index = scores.topk(min(scores.shape[-1], self.rescore * k_max), dim=-1, sorted=False)
-            keep = _best_within(first, self.rescore * budgets, self.rescore * min_budget)
-            fine = self._candidate_scores(step, index)
-            second = torch.where(first >= SINK_BASE, first, fine).masked_fill(~keep, float("-inf"))
-            values, pick = second.topk(k_max, dim=-1, sorted=False)
-            indices = index.gather(-1, pick)
-        else:
-            values, indices = scores.topk(k_max, dim=-1, sorted=False)
-        return Selection(indices=indices, valid=_best_within(values, budgets, min_budget))
+        budgets = step.budgets[:, None, :, None]
+        visible, forced = step.visible[:, None], step.forced[:, None]
+        if self.rescore == 0:
+            return Selection(*_compiled(_fixed_pick, self.compiled_step)(scores, visible, forced, budgets, k_max, min_budget))
+        first, index, keep = _compiled(_fixed_candidates, self.compiled_step)(
+            scores, visible, forced, budgets, self.rescore, k_max, min_budget
+        )
+        fine = self._candidate_scores(step, index)
+        indices, valid = _compiled(_fixed_rerank, self.compiled_step)(first, fine, index, keep, budgets, k_max, min_budget)
+        return Selection(indices=indices, valid=valid)
 
     def _rescored(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> torch.Tensor:
         """Second stage: the LUT's best `rescore` x budget tokens of each row are re-ranked by q . K read from the
@@ -400,6 +398,42 @@ class SelfIndexSelector(TokenSelector):
         weights = torch.softmax(logits, dim=-1)
         out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
         return out.reshape(b, hq, q, d).to(query.dtype if self.kv.v_signs is None else work)
+
+
+def _fixed_pick(scores, visible, forced, budgets, k_max: int, min_budget: int):
+    """A fixed-shape step without the re-rank: (indices, valid) of each row's best `budgets` of the visible keys,
+    forced ones first."""
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+    values, indices = scores.topk(k_max, dim=-1, sorted=False)
+    return indices, _best_within(values, budgets, min_budget)
+
+
+def _fixed_candidates(scores, visible, forced, budgets, rescore: int, k_max: int, min_budget: int):
+    """The re-rank's first stage in a fixed-shape step: each row's best rescore x `budgets` keys by LUT score
+    (first scores, their positions, and which of the rescore x k_max picks the row keeps)."""
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(forced, float("inf"))
+    first, index = scores.topk(min(scores.shape[-1], rescore * k_max), dim=-1, sorted=False)
+    return first, index, _best_within(first, rescore * budgets, rescore * min_budget)
+
+
+def _fixed_rerank(first, fine, index, keep, budgets, k_max: int, min_budget: int):
+    """The second stage: forced and sink candidates keep their first-stage priority, the others rank by q . K as
+    attention reads K (`fine`); each row keeps its `budgets` best."""
+    second = torch.where(first >= SINK_BASE, first, fine).masked_fill(~keep, float("-inf"))
+    values, pick = second.topk(k_max, dim=-1, sorted=False)
+    return index.gather(-1, pick), _best_within(values, budgets, min_budget)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn, compiled: bool):
+    """`fn`, or its torch.compile version (one per function; the shapes of a generation's steps do not change)."""
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[fn]
 
 
 def _device_rule(scores: torch.Tensor) -> bool:

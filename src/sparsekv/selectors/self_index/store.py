@@ -141,6 +141,7 @@ class CompressedStore:
         self.v_signs = self.k_signs = self.rot_base = None
         #: fixed-shape decoding (`begin_fixed`): the device position [1] of the step's token, else None
         self.fixed_position: torch.Tensor | None = None
+        self._compiled_methods: dict = {}  # torch.compile versions of the fixed-shape step's pieces (`_compiled`)
 
     @property
     def compressed(self) -> bool:
@@ -316,57 +317,82 @@ class CompressedStore:
         (unwritten rows are zeros, masked by the step's visibility), and `append_fixed` writes at a device
         position. The 16-bit tail then holds every token from its current start on (it is not cut back at each
         residual block, which would be a host decision), so reads find a query's block at the same offsets."""
-        slack = self.k_group if self.channel_axis else 0  # whole K blocks are rewritten (`_compress_open_block`)
+        slack = self.k_group if self.channel_axis else 0  # whole K blocks are rewritten (`_open_block`)
         self.rows.fix(capacity, slack)
         if self.compressed and self.residual > 0:
             self.tail.fix(capacity - self.tail_start, slack)
         if self.channel_axis:
             self.k_blocks.fix((capacity + self.k_pad) // self.k_group + 1)
 
-    def append_fixed(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+    def append_fixed(
+        self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, compiled: bool = False
+    ) -> None:
         """`append` of one token (keys / values [B, Hkv, 1, d] as the model gives them) at the device position
-        [1]: the same rows as `append` writes, from device values only (a CUDA graph replays it)."""
+        [1]: the same rows as `append` writes, from device values only (a CUDA graph replays it). `compiled`:
+        the encoding runs through torch.compile (a few fused kernels instead of dozens of small ones)."""
         self.fixed_position = position
+        rows, tail = self._compiled("_encode_token", compiled)(keys, values)
+        self.rows.write(position, **rows)
+        if tail:
+            self.tail.write(position - self.tail_start, **tail)
+        if self.channel_axis:
+            slots, block_row, k_mag, k_scale = self._compiled("_open_block", compiled)(position)
+            self.rows.write(slots, k_mag=k_mag)
+            self.k_blocks.write(block_row, k_scale=k_scale)
+
+    def _compiled(self, name: str, compiled: bool):
+        """The method `name`, or its torch.compile version (built once per store)."""
+        method = getattr(self, name)
+        if not compiled:
+            return method
+        if name not in self._compiled_methods:
+            self._compiled_methods[name] = torch.compile(method, fullgraph=True)
+        return self._compiled_methods[name]
+
+    def _encode_token(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """One token's stored rows (sign bits, |K| and V codes with their scales, or kv_bits=16's full K/V) and its
+        16-bit tail copy (empty without a tail), computed as `_append` computes them."""
         keys = self.rotate_keys(keys)
         work = work_dtype(keys)
         centred = keys.to(work) - self.mu
         rotated = self.rotate_values(values, work)
-        parts = {"sign_bits": pack_sign_bits(centred)}
+        rows = {"sign_bits": pack_sign_bits(centred)}
         if self.compressed:
             if not self.channel_axis:
                 mag, mag_scale, mag_zero = quantize(
                     centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
                 )
-                parts.update(k_mag=mag, k_scale=mag_scale)
+                rows.update(k_mag=mag, k_scale=mag_scale)
                 if self.k_zero:
-                    parts.update(k_zero=mag_zero)
+                    rows.update(k_zero=mag_zero)
             val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
-            parts.update(v=val, v_scale=val_scale, v_zero=val_zero)
+            rows.update(v=val, v_scale=val_scale, v_zero=val_zero)
         else:
-            parts.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
-        self.rows.write(position, **parts)
+            rows.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
+        tail = {}
         if self.compressed and self.residual > 0:
             fp = self._fp_dtype(keys)
-            v = values if self.v_signs is None else rotated
-            self.tail.write(position - self.tail_start, k=keys.to(fp), v=v.to(fp))
-        if self.channel_axis:
-            self._compress_open_block(position)
+            tail = {"k": keys.to(fp), "v": (values if self.v_signs is None else rotated).to(fp)}
+        return rows, tail
 
-    def _compress_open_block(self, position: torch.Tensor) -> None:
+    def _open_block(self, position: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """k_axis="channel" in fixed-shape steps: the K block holding `position` is (re)compressed from the 16-bit
         tail at every step, its unwritten tokens counting as 0. Once its last token is in, the codes and scales are
         `_compress_k_blocks`'s; before that nobody reads them (the open block lies inside the query's residual
-        block, which is read from the tail)."""
+        block, which is read from the tail). Returns the block's slots [G], its scale row [1], the packed codes
+        [B, H, G, c] and the scales [B, H, 1, d]."""
         g = self.k_group
         first = self.decode_start + (position - self.decode_start) // g * g  # [1]
         slots = first + torch.arange(g, device=position.device)
         work = self.mu.dtype
-        x = (self.tail.tensors["k"].index_select(2, slots - self.tail_start).to(work) - self.mu).abs() / self.alpha
-        x = x.masked_fill((slots > position)[:, None], 0)  # [B, H, G, d]
+        block = self.tail.tensors["k"].index_select(2, slots - self.tail_start).to(work)
+        x = ((block - self.mu).abs() / self.alpha).masked_fill((slots > position)[:, None], 0)  # [B, H, G, d]
         b, h, _, d = x.shape
         codes, scale, _ = quantize_codes(x.transpose(-1, -2).unsqueeze(2), self.k_bits, g, with_zero=False)
-        self.rows.write(slots, k_mag=pack_bits(codes.squeeze(2).transpose(-1, -2), self.k_bits))
-        self.k_blocks.write((first + self.k_pad) // g, k_scale=scale.view(b, h, 1, d))
+        k_mag = pack_bits(codes.squeeze(2).transpose(-1, -2), self.k_bits)
+        return slots, (first + self.k_pad) // g, k_mag, scale.view(b, h, 1, d)
 
     def end_fixed(self, length: int) -> None:
         """Fixed-shape decoding ended with `length` tokens written: the host state `append` continues from."""
