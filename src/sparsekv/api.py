@@ -114,8 +114,9 @@ def enable(
 
     compile_step: the fixed-shape step runs the model's forward through `torch.compile` before the graph captures
     it: Inductor fuses the many small kernels of the layers' norms, rotary embeddings, activations and residual
-    adds (the cache update and the attention stay as they are). The first captured step pays the compile time
-    (about 10 s for 32 Llama-3-8B-shaped layers on an H200 host); needs graph_decode None or True.
+    adds (the cache update and the attention stay as they are; a method may compile its own tensor code of the
+    step too: self-index does). The first captured step pays the compile time (about 10 s for 32
+    Llama-3-8B-shaped layers on an H200 host); needs graph_decode None or True.
 
     lossless: `model.generate()` decodes by self-speculation (`sparsekv.lossless`): `draft_tokens` sparse steps
     propose, one dense forward verifies, so the output is the dense model's greedy output token for token.
