@@ -150,3 +150,21 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="cannot convert the embedded model 'default'"):
         load_model()
     assert list((tmp_path / "cache" / "models").iterdir()) == []  # no half-converted folder to trust later
+
+
+def test_an_embedded_model_with_a_wrong_tokenizer_is_refused(default_model, monkeypatch):
+    """transformers 5.17.0 builds Gemma 3's GGUF tokenizer wrongly (Unigram instead of BPE): the model then reads every
+    text as nonsense without an error. A probe text with its known ids catches a tokenizer that splits differently."""
+    import dataclasses
+
+    _, tokenizer = default_model
+    text = "July 2010What hard liquor"
+    right = tuple(tokenizer(text, add_special_tokens=False).input_ids)
+    spec = models.EMBEDDED["default"]
+    monkeypatch.setitem(models.EMBEDDED, "default", dataclasses.replace(spec, tokenizer_probe=(text, right)))
+    assert models._tokenizer_matches("default", tokenizer)
+    wrong = dataclasses.replace(spec, tokenizer_probe=(text, right[:-1] + (right[-1] + 1,)))
+    monkeypatch.setitem(models.EMBEDDED, "default", wrong)
+    with pytest.raises(ModelLoadError, match="wrong tokenizer .* transformers >= 5.18"):
+        load_model()
+    assert models.EMBEDDED["gemma3-270m"].tokenizer_probe is not None

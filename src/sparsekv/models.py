@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -54,6 +55,9 @@ class EmbeddedModel:
     gguf: Callable[[], Path]
     architecture: str
     expected: dict[str, Any]
+    #: a text and the token ids the model's own tokenizer gives it: some transformers releases build another
+    #: tokenizer from the GGUF, and the model then reads every text as nonsense without any error
+    tokenizer_probe: tuple[str, tuple[int, ...]] | None = None
 
 
 EMBEDDED: dict[str, EmbeddedModel] = {
@@ -62,7 +66,7 @@ EMBEDDED: dict[str, EmbeddedModel] = {
     "gemma3-270m": EmbeddedModel("gemma3-270m", gemma3_270m_file, "Gemma3ForCausalLM", {
         "num_hidden_layers": 18, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
         "sliding_window": 512,
-    }),
+    }, tokenizer_probe=("July 2010What hard liquor", (30211, 236743, 236778, 236771, 236770, 236771, 3689, 2651, 37059))),
 }
 _HUB_ID = re.compile(r"^[A-Za-z0-9_][\w.-]*(/[\w.-]+)?$")
 
@@ -152,6 +156,12 @@ def _load_embedded(
     hint = f"if the cached copy is damaged, delete {folder} and retry"
     model, tok = _guarded(name, hint, partial(_from_pretrained, folder, dtype, device))
     _check_embedded(name, model)
+    if not _tokenizer_matches(name, tok):
+        raise ModelLoadError(
+            f"the cached copy of the embedded model {name!r} has a wrong tokenizer (transformers 5.17.0 builds a "
+            f"Unigram tokenizer from this GGUF instead of its BPE one): delete {folder} and convert it again with "
+            f"transformers >= 5.18 (installed: {transformers.__version__})"
+        )
     return model, tok
 
 
@@ -167,12 +177,19 @@ def _convert_embedded(name: str, final: Path) -> None:
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **_gguf_kwargs()
             )
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            if not _tokenizer_matches(name, tok):
+                raise ModelLoadError(
+                    f"transformers {transformers.__version__} builds a wrong tokenizer from this GGUF (5.17.0 "
+                    "makes a Unigram tokenizer of Gemma 3's BPE one): use transformers >= 5.18"
+                )
             model = _plain_copy(loaded)
             del loaded
             _check_embedded(name, model)
             # fp32 keeps the dequantized Q4_1 values exactly (bf16 would round them).
             model.save_pretrained(work / "out")
             tok.save_pretrained(work / "out")
+        except ModelLoadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any failure means no usable conversion
             raise ModelLoadError(
                 f"cannot convert the embedded model {name!r} ({gguf}) to safetensors: {_short(exc)}; delete "
@@ -209,6 +226,15 @@ def _plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     plain.tie_weights()
     plain.generation_config = model.generation_config
     return plain
+
+
+def _tokenizer_matches(name: str, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer gives the embedded model's probe text its known ids (True without a probe)."""
+    probe = EMBEDDED[name].tokenizer_probe
+    if probe is None:
+        return True
+    text, ids = probe
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids) == ids
 
 
 def _check_embedded(name: str, model: PreTrainedModel) -> None:
