@@ -15,7 +15,13 @@ from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, _force
 from sparsekv.selectors.self_index import device
 from sparsekv.selectors.self_index.codes import GROUP_DIMS, bitrev4, codes_from_sign_bits
 from sparsekv.selectors.self_index.scoring import SINK_BASE, SNAP_WINDOW, boost_sinks, lut_scores, snap_sinks
-from sparsekv.selectors.self_index.store import FP_DTYPES, QUANT_GROUP, CompressedStore, quant_group_size
+from sparsekv.selectors.self_index.store import (
+    FP_DTYPES,
+    QUANT_GROUP,
+    CompressedStore,
+    maybe_compiled,
+    quant_group_size,
+)
 
 KV_BITS = (2, 4, 16)
 
@@ -306,12 +312,14 @@ class SelfIndexSelector(TokenSelector):
         budgets = step.budgets[:, None, :, None]
         visible, forced = step.visible[:, None], step.forced[:, None]
         if self.rescore == 0:
-            return Selection(*_compiled(_fixed_pick, self.compiled_step)(scores, visible, forced, budgets, k_max, min_budget))
-        first, index, keep = _compiled(_fixed_candidates, self.compiled_step)(
+            pick = maybe_compiled(_fixed_pick, self.compiled_step)
+            return Selection(*pick(scores, visible, forced, budgets, k_max, min_budget))
+        first, index, keep = maybe_compiled(_fixed_candidates, self.compiled_step)(
             scores, visible, forced, budgets, self.rescore, k_max, min_budget
         )
         fine = self._candidate_scores(step, index)
-        indices, valid = _compiled(_fixed_rerank, self.compiled_step)(first, fine, index, keep, budgets, k_max, min_budget)
+        rerank = maybe_compiled(_fixed_rerank, self.compiled_step)
+        indices, valid = rerank(first, fine, index, keep, budgets, k_max, min_budget)
         return Selection(indices=indices, valid=valid)
 
     def _rescored(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> torch.Tensor:
@@ -422,18 +430,6 @@ def _fixed_rerank(first, fine, index, keep, budgets, k_max: int, min_budget: int
     second = torch.where(first >= SINK_BASE, first, fine).masked_fill(~keep, float("-inf"))
     values, pick = second.topk(k_max, dim=-1, sorted=False)
     return index.gather(-1, pick), _best_within(values, budgets, min_budget)
-
-
-_COMPILED: dict = {}
-
-
-def _compiled(fn, compiled: bool):
-    """`fn`, or its torch.compile version (one per function; the shapes of a generation's steps do not change)."""
-    if not compiled:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
-    return _COMPILED[fn]
 
 
 def _device_rule(scores: torch.Tensor) -> bool:

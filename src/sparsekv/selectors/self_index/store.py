@@ -52,6 +52,20 @@ def quant_group_size(head_dim: int, preferred: int = QUANT_GROUP) -> int:
     raise ConfigError(f"self-index needs a head_dim divisible by 4, got {head_dim}")
 
 
+#: torch.compile versions of the fixed-shape step's pieces, one per function (`maybe_compiled`)
+COMPILED: dict = {}
+
+
+def maybe_compiled(fn, compiled: bool):
+    """`fn`, or its torch.compile version: one per function, shared by every layer (the guards are on shapes and
+    flags, which the layers share; a generation's steps all have the same shapes)."""
+    if not compiled:
+        return fn
+    if fn not in COMPILED:
+        COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return COMPILED[fn]
+
+
 class _Buffers:
     """Named [B, H, capacity, c] tensors grown together along dim 2 by a fixed step (64 tokens: the slack stays
     small next to 4K+ tokens and appending stays cheap)."""
@@ -141,7 +155,6 @@ class CompressedStore:
         self.v_signs = self.k_signs = self.rot_base = None
         #: fixed-shape decoding (`begin_fixed`): the device position [1] of the step's token, else None
         self.fixed_position: torch.Tensor | None = None
-        self._compiled_methods: dict = {}  # torch.compile versions of the fixed-shape step's pieces (`_compiled`)
 
     @property
     def compressed(self) -> bool:
@@ -331,23 +344,14 @@ class CompressedStore:
         [1]: the same rows as `append` writes, from device values only (a CUDA graph replays it). `compiled`:
         the encoding runs through torch.compile (a few fused kernels instead of dozens of small ones)."""
         self.fixed_position = position
-        rows, tail = self._compiled("_encode_token", compiled)(keys, values)
+        rows, tail = maybe_compiled(CompressedStore._encode_token, compiled)(self, keys, values)
         self.rows.write(position, **rows)
         if tail:
             self.tail.write(position - self.tail_start, **tail)
         if self.channel_axis:
-            slots, block_row, k_mag, k_scale = self._compiled("_open_block", compiled)(position)
+            slots, block_row, k_mag, k_scale = maybe_compiled(CompressedStore._open_block, compiled)(self, position)
             self.rows.write(slots, k_mag=k_mag)
             self.k_blocks.write(block_row, k_scale=k_scale)
-
-    def _compiled(self, name: str, compiled: bool):
-        """The method `name`, or its torch.compile version (built once per store)."""
-        method = getattr(self, name)
-        if not compiled:
-            return method
-        if name not in self._compiled_methods:
-            self._compiled_methods[name] = torch.compile(method, fullgraph=True)
-        return self._compiled_methods[name]
 
     def _encode_token(
         self, keys: torch.Tensor, values: torch.Tensor
