@@ -253,25 +253,11 @@ class CompressedStore:
         exclude: torch.Tensor | None = None,
     ) -> None:
         work = work_dtype(keys)
-        centred = keys.to(work) - self.mu
-        rotated = self.rotate_values(values, work)  # V (v_rotate: V R) in the work dtype
-        parts = {"sign_bits": pack_sign_bits(centred)}
+        parts, centred, rotated = self._token_rows(keys, values)
         channel = self.channel_axis
-        if self.compressed:
-            if channel:  # filled in by _compress_k_blocks once the token's block is full
-                b, h, t, d = keys.shape
-                parts["k_mag"] = keys.new_zeros(b, h, t, d * self.k_bits // 8, dtype=torch.uint8)
-            else:  # the paper's layout with k_zero: asymmetric, scale and zero per k_group channels
-                mag, mag_scale, mag_zero = quantize(
-                    centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
-                )
-                parts.update(k_mag=mag, k_scale=mag_scale)
-                if self.k_zero:
-                    parts.update(k_zero=mag_zero)
-            val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
-            parts.update(v=val, v_scale=val_scale, v_zero=val_zero)
-        else:
-            parts.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
+        if self.compressed and channel:  # filled in by _compress_k_blocks once the token's block is full
+            b, h, t, d = keys.shape
+            parts["k_mag"] = keys.new_zeros(b, h, t, d * self.k_bits // 8, dtype=torch.uint8)
         self.rows.append(**parts)
         if channel and prompt:
             self._compress_k_blocks(centred, 0, exclude)
@@ -301,6 +287,30 @@ class CompressedStore:
             self.tail_start = block
         fp = self._fp_dtype(keys)
         self.tail.append(k=keys.to(fp), v=values.to(fp) if self.v_signs is None else rotated.to(fp))
+
+    def _token_rows(
+        self, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The stored rows of tokens (keys already rotated, [B, Hkv, T, d]) with the prompt's statistics: sign bits,
+        V codes with their scales, the |K| codes on the token axis (the channel axis writes them per block), or
+        kv_bits=16's full K/V. Also K - mu and V (v_rotate: V R), both in the work dtype."""
+        work = work_dtype(keys)
+        centred = keys.to(work) - self.mu
+        rotated = self.rotate_values(values, work)
+        rows = {"sign_bits": pack_sign_bits(centred)}
+        if self.compressed:
+            if not self.channel_axis:  # the paper's layout with k_zero: asymmetric, scale and zero per k_group channels
+                mag, mag_scale, mag_zero = quantize(
+                    centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
+                )
+                rows.update(k_mag=mag, k_scale=mag_scale)
+                if self.k_zero:
+                    rows.update(k_zero=mag_zero)
+            val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
+            rows.update(v=val, v_scale=val_scale, v_zero=val_zero)
+        else:
+            rows.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
+        return rows, centred, rotated
 
     def _compress_k_blocks(
         self, centred: torch.Tensor, start: int, exclude: torch.Tensor | None = None
@@ -359,22 +369,7 @@ class CompressedStore:
         """One token's stored rows (sign bits, |K| and V codes with their scales, or kv_bits=16's full K/V) and its
         16-bit tail copy (empty without a tail), computed as `_append` computes them."""
         keys = self.rotate_keys(keys)
-        work = work_dtype(keys)
-        centred = keys.to(work) - self.mu
-        rotated = self.rotate_values(values, work)
-        rows = {"sign_bits": pack_sign_bits(centred)}
-        if self.compressed:
-            if not self.channel_axis:
-                mag, mag_scale, mag_zero = quantize(
-                    centred.abs() / self.alpha, self.k_bits, self.k_group, with_zero=self.k_zero
-                )
-                rows.update(k_mag=mag, k_scale=mag_scale)
-                if self.k_zero:
-                    rows.update(k_zero=mag_zero)
-            val, val_scale, val_zero = quantize(rotated, self.kv_bits, self.v_group, clip=self.v_clip)
-            rows.update(v=val, v_scale=val_scale, v_zero=val_zero)
-        else:
-            rows.update(k_full=keys, v_full=values if self.v_signs is None else rotated.to(values.dtype))
+        rows, _, rotated = self._token_rows(keys, values)
         tail = {}
         if self.compressed and self.residual > 0:
             fp = self._fp_dtype(keys)
