@@ -62,10 +62,11 @@ def _hamming_topk_fixed():
     gen = _gen(12)
     qc, kc = _codes((2, 6, 1, 3), gen), _codes((2, 2, 37, 3), gen)
     kc[:, :, 20:] = kc[:, :, :1]
+    hint = torch.zeros(2 * 2, dtype=torch.int32)
     return [
-        (qc, kc, 9, torch.tensor([23]), 70, 2, 3),
-        (qc, kc, 9, torch.tensor([37]), 70, 0, 0),
-        (qc, kc, 30, torch.tensor([5]), 70, 1, 2),  # more picks than written slots: empty ones come in
+        (qc, kc, 9, torch.tensor([23]), 70, 2, 3, None),
+        (qc, kc, 9, torch.tensor([37]), 70, 0, 0, hint),
+        (qc, kc, 30, torch.tensor([5]), 70, 1, 2, None),  # more picks than written slots: empty ones come in
     ]
 
 

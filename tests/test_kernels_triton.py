@@ -268,6 +268,45 @@ def test_hamming_topk_fixed_triton(impl, n, k, length, sink, local, bits, hq, hk
 
 
 @here
+@pytest.mark.parametrize(
+    "n,k,length,sink,local,bits,hq,hkv,tied",
+    [
+        (777, 37, 700, 2, 3, 128, 8, 2, False),
+        (1500, 300, 1333, 0, 0, 128, 4, 1, True),  # most keys tie at one score
+        (600, 33, 541, 1, 2, 1024, 2, 1, False),  # 3 radix levels behind the window
+        (129, 60, 40, 1, 1, 96, 3, 3, False),  # more picks than written slots: the threshold is an empty slot
+    ],
+)
+def test_hamming_topk_fixed_threshold_hint(impl, n, k, length, sink, local, bits, hq, hkv, tied):
+    """The fixed-shape select with any threshold hint returns the reference's set and ranking scores, and leaves
+    each row's threshold ranking score in the hint (the next step's window then holds it)."""
+    from sparsekv.kernels.hamming import hamming_topk_fixed_reference
+
+    ham = impl["_hamming_triton"]
+    gen = torch.Generator().manual_seed(n + length)
+    w = (bits + 31) // 32
+    qc, kc = _codes((3, hq, 1, w), gen), _codes((3, hkv, n, w), gen)
+    if tied:
+        kc[:, :, 100:] = kc[:, :, :1]
+    written = torch.tensor([length])
+    ref, ref_scores = hamming_topk_fixed_reference(qc.cpu(), kc.cpu(), k, written, bits=bits, sink=sink, local=local)
+    threshold = ref_scores.to(torch.int32).amin(-1).flatten()
+    rows = threshold.numel()
+    for start in [-(2**31), 0, int(threshold[0]) + 40]:  # windows at the top, the bottom, above the threshold
+        hint = torch.full((rows,), start, dtype=torch.int32).to(DEV)
+        for _ in range(2):  # the second call starts from the exact threshold
+            got, got_scores = ham.hamming_topk_fixed_triton(
+                qc, kc, k, written.to(DEV), bits=bits, sink=sink, local=local, threshold_hint=hint
+            )
+            got, order = got.cpu().sort(-1)
+            want, want_order = ref.sort(-1)
+            assert torch.equal(got, want), start
+            assert torch.equal(got_scores.cpu().gather(-1, order), ref_scores.gather(-1, want_order)), start
+            if bits * (hq // hkv) + 2 >= 31:
+                assert torch.equal(hint.cpu(), threshold), start
+
+
+@here
 @pytest.mark.parametrize("n,k,lo", [(301, 17, 0), (1234, 200, -50)])
 def test_select_topk_int_triton(impl, n, k, lo):
     gen = torch.Generator().manual_seed(n)
@@ -656,5 +695,6 @@ def test_cuda_implementation_of_every_op_equals_its_reference(name):
         got = op(*got_args) if CUDA else _cuda_implementation(name)(*got_args)
         _assert_same(name, got, want)
         for g, w in zip(got_args, want_args):  # mutated arguments: written alike (tickets return to zero)
-            if isinstance(w, torch.Tensor) and name != "hamming_topk":  # its threshold hint is the kernel's own
+            if isinstance(w, torch.Tensor) and name not in ("hamming_topk", "hamming_topk_fixed"):
+                # (the hamming ops' threshold hint is the kernel's own)
                 _assert_same(name, g, w)

@@ -455,21 +455,27 @@ def hamming_topk_fixed_triton(
     bits: int,
     sink: int = 0,
     local: int = 0,
+    threshold_hint: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hamming_topk_triton` (recent_first) over a fixed-shape buffer whose first `written` slots (int64 [1] on
     the device) hold keys: -> (indices [B, Hkv, Q, k] int64 unordered, their ranking scores: 0 for an empty
     slot, 1 + matching bits for a key, bits * g + 2 for a forced one). No host value depends on `written`, so
-    a CUDA graph replays it at every length."""
+    a CUDA graph replays it at every length. `threshold_hint`: see `hamming_score_hist` (the window's top score
+    is the forced keys' here)."""
     if _query_step(query_codes, key_codes) is not None:
         raise ValueError("fixed-shape decoding scores one query per row")
     _, g = check_code_shapes(query_codes, key_codes)
     top = g * bits + 2
     levels, nbits = int_levels(top + 1)
     dtype = torch.int16 if top < 2**15 else torch.int32
-    scores, hist, num_chunks, bpc, block, _ = _launch(
-        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=True, sink=sink, local=local, written=written
-    )
-    state = ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, True)
+    if nbits != WINDOW_BITS:
+        threshold_hint = None  # ranges under 32 scores: one radix level is already exact
+    scores, hist, num_chunks, bpc, block, base = _launch(
+        query_codes, key_codes, bits, dtype, (levels, nbits), reverse=True, sink=sink, local=local, written=written,
+        hint=threshold_hint,
+    )  # fmt: skip
+    window = None if threshold_hint is None else (base, top)
+    state = ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, True, window, threshold_hint)
     indices = hamming_select(state, k)
     n = scores.shape[-1]
     return indices, scores.gather(-1, (n - 1) - indices)

@@ -158,20 +158,23 @@ def hamming_topk(
         raise ValueError(f"sink ({sink}) + local ({local}) must be non-negative and fit in k ({k})")
     check_code_shapes(query_codes, key_codes)
     _check_bits(query_codes.shape[-1], bits)
-    if threshold_hint is not None:
-        rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
-        if (
-            threshold_hint.dtype != torch.int32
-            or threshold_hint.shape != (rows,)
-            or not threshold_hint.is_contiguous()
-            or threshold_hint.device != key_codes.device
-        ):
-            raise ValueError(
-                f"threshold_hint must be a contiguous int32 tensor [{rows}] on {key_codes.device}"
-            )
+    _check_hint(threshold_hint, query_codes, key_codes)
     return _hamming_topk_op(
         query_codes, key_codes, int(k), int(bits), bool(recent_first), int(sink), int(local), threshold_hint
     )
+
+
+def _check_hint(threshold_hint: torch.Tensor | None, query_codes: torch.Tensor, key_codes: torch.Tensor) -> None:
+    if threshold_hint is None:
+        return
+    rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
+    if (
+        threshold_hint.dtype != torch.int32
+        or threshold_hint.shape != (rows,)
+        or not threshold_hint.is_contiguous()
+        or threshold_hint.device != key_codes.device
+    ):
+        raise ValueError(f"threshold_hint must be a contiguous int32 tensor [{rows}] on {key_codes.device}")
 
 
 @torch.library.custom_op("sparsekv::hamming_topk", mutates_args=("threshold_hint",))
@@ -254,6 +257,7 @@ def hamming_topk_fixed(
     bits: int,
     sink: int = 0,
     local: int = 0,
+    threshold_hint: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hamming_topk` (recent_first) over a fixed-shape buffer whose first `written` slots (int64 [1] on the
     codes' device) hold keys -> (indices [B, Hkv, Q, min(k, N)] int64 unordered, their ranking scores
@@ -261,17 +265,24 @@ def hamming_topk_fixed(
 
     No host value depends on `written`, so a CUDA graph replays the op `sparsekv::hamming_topk_fixed` at every
     length. On CUDA scoring, the empty slots and forcing are fused in the Hamming kernel, then the sort-free
-    select; the reference elsewhere."""
+    select; the reference elsewhere.
+
+    threshold_hint: as `hamming_topk`'s (each row's threshold of the previous step, rewritten in place; a speed
+    hint, the result never depends on it): a buffer that lives across the steps, so that a captured step reads
+    what its previous replay wrote."""
     if sink < 0 or local < 0 or sink + local > k:
         raise ValueError(f"sink ({sink}) + local ({local}) must be non-negative and fit in k ({k})")
     check_code_shapes(query_codes, key_codes)
     _check_bits(query_codes.shape[-1], bits)
     if written.dtype != torch.int64 or written.numel() != 1 or written.device != key_codes.device:
         raise ValueError(f"written must be an int64 tensor of one element on {key_codes.device}")
-    return _hamming_topk_fixed_op(query_codes, key_codes, int(k), written, int(bits), int(sink), int(local))
+    _check_hint(threshold_hint, query_codes, key_codes)
+    return _hamming_topk_fixed_op(
+        query_codes, key_codes, int(k), written, int(bits), int(sink), int(local), threshold_hint
+    )
 
 
-@torch.library.custom_op("sparsekv::hamming_topk_fixed", mutates_args=())
+@torch.library.custom_op("sparsekv::hamming_topk_fixed", mutates_args=("threshold_hint",))
 def _hamming_topk_fixed_op(
     query_codes: torch.Tensor,
     key_codes: torch.Tensor,
@@ -280,12 +291,13 @@ def _hamming_topk_fixed_op(
     bits: int,
     sink: int,
     local: int,
+    threshold_hint: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return hamming_topk_fixed_reference(query_codes, key_codes, k, written, bits=bits, sink=sink, local=local)
 
 
 @_hamming_topk_fixed_op.register_kernel("cuda")
-def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, local):
+def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, local, threshold_hint):
     from sparsekv.kernels._triton import use_triton
 
     if use_triton(query_codes, key_codes, written) and 0 < k < key_codes.shape[2]:
@@ -294,13 +306,14 @@ def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, loc
         # the fused kernel keeps rows on one grid axis: one query per row at decode sizes (the reference past it)
         if impl._query_step(query_codes, key_codes) is None:
             return impl.hamming_topk_fixed_triton(
-                query_codes, key_codes, k, written.reshape(1), bits=bits, sink=sink, local=local
-            )
+                query_codes, key_codes, k, written.reshape(1), bits=bits, sink=sink, local=local,
+                threshold_hint=threshold_hint,
+            )  # fmt: skip
     return hamming_topk_fixed_reference(query_codes, key_codes, k, written, bits=bits, sink=sink, local=local)
 
 
 @_hamming_topk_fixed_op.register_fake
-def _hamming_topk_fixed_fake(query_codes, key_codes, k, written, bits, sink, local):
+def _hamming_topk_fixed_fake(query_codes, key_codes, k, written, bits, sink, local, threshold_hint):
     b, hq, q, _ = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     shape = (b, hkv, q, torch.sym_min(k, n))

@@ -328,11 +328,17 @@ def _keep_budgets(picked: torch.Tensor, picked_scores: torch.Tensor, step: Decod
 
 
 def fixed_hamming_selection(
-    query_codes: Callable[[], torch.Tensor], key_codes: torch.Tensor, bits: int, step: DecodeStep
+    query_codes: Callable[[], torch.Tensor],
+    key_codes: torch.Tensor,
+    bits: int,
+    step: DecodeStep,
+    hints: RowBuffer | None = None,
 ) -> Selection | None:
     """`fused_hamming_selection` for fixed-shape steps: scoring (empty slots below every key, the local window
     at the written end), histogram and select fused in the Hamming kernels, then each row's budget. None where it
-    does not apply (the caller runs its own rule); `query_codes` is called only when it does."""
+    does not apply (the caller runs its own rule); `query_codes` is called only when it does. `hints`: the
+    selector's thresholds of its previous step (allocated by the run before a capture, which every replay
+    then reads and rewrites)."""
     from sparsekv.kernels._triton import use_triton
 
     hints = step.hints
@@ -340,17 +346,24 @@ def fixed_hamming_selection(
         return None
     if (step.gqa != "group" and step.layer.group_size > 1) or hints.max_budget >= key_codes.shape[2]:
         return None
-    return _fixed_hamming_core(query_codes(), key_codes, bits, step)
+    return _fixed_hamming_core(query_codes(), key_codes, bits, step, hints)
 
 
-def _fixed_hamming_core(query_codes: torch.Tensor, key_codes: torch.Tensor, bits: int, step: DecodeStep) -> Selection:
+def _fixed_hamming_core(
+    query_codes: torch.Tensor,
+    key_codes: torch.Tensor,
+    bits: int,
+    step: DecodeStep,
+    threshold_hints: RowBuffer | None = None,
+) -> Selection:
     """`fixed_hamming_selection` without its guard (tests run it on CPU, where the op is its reference)."""
     from sparsekv.kernels.hamming import hamming_topk_fixed
 
     hints = step.hints
     picked, picked_scores = hamming_topk_fixed(
-        query_codes, key_codes, hints.max_budget, hints.written, bits=bits, sink=hints.sink, local=hints.local
-    )
+        query_codes, key_codes, hints.max_budget, hints.written, bits=bits, sink=hints.sink, local=hints.local,
+        threshold_hint=_window_hint(threshold_hints, query_codes, key_codes),
+    )  # fmt: skip
     return _keep_budgets(picked, picked_scores, step)
 
 
@@ -417,11 +430,19 @@ def _fused_hamming_core(
         recent_first=True,
         sink=hints.sink,
         local=hints.local,
-        threshold_hint=None
-        if threshold_hints is None or b * key_codes.shape[1] * q * n < WINDOW_MIN_KEYS
-        else threshold_hints.get(b * key_codes.shape[1] * q, key_codes.device),
+        threshold_hint=_window_hint(threshold_hints, query_codes, key_codes),
     )
     return every_index(indices)
+
+
+def _window_hint(
+    threshold_hints: RowBuffer | None, query_codes: torch.Tensor, key_codes: torch.Tensor
+) -> torch.Tensor | None:
+    """The selector's per-row threshold buffer where the window pays (WINDOW_MIN_KEYS scored keys), else None."""
+    rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
+    if threshold_hints is None or rows * key_codes.shape[2] < WINDOW_MIN_KEYS:
+        return None
+    return threshold_hints.get(rows, key_codes.device)
 
 
 @dataclass

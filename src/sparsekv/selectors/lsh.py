@@ -212,7 +212,7 @@ class LSHSelector(TokenSelector):
     def select(self, step: DecodeStep) -> Selection:
         codes = self._codes_view(step)
         query_codes = lambda: hash_codes(step.query, self.projection)
-        fast = fixed_hamming_selection(query_codes, codes, self.bits, step)
+        fast = fixed_hamming_selection(query_codes, codes, self.bits, step, self.threshold_hints)
         if fast is not None:
             return fast
         fast = fused_hamming_selection(query_codes, codes, self.bits, step, self.threshold_hints)

@@ -18,8 +18,9 @@ per query head for gqa="head". Ties go to the more recent key.
 
 Which hash a layer uses (option `checkpoint`):
 
-- ``"auto"`` (default): the checkpoint shipped in ``sparsekv/data`` when the model has its shape (the embedded
-  default model, SmolLM2-135M: 30 layers, 9/3 heads, head_dim 64); for any other shape an *untrained* MLP hash
+- ``"auto"`` (default): the checkpoint shipped in ``sparsekv/data`` for the model's shape (the embedded models:
+  SmolLM2-135M, 30 layers, 9/3 heads, head_dim 64; Gemma 3 270M, 18 layers, 4/1 heads, head_dim 256, its
+  three global layers); for any other shape an *untrained* MLP hash
   initialised from `seed`, which is angular LSH with 128 bits (no key centring: that needs calibration). That
   keeps spotlight usable on every model without a warning, at LSH quality; for the learned quality train one with
   ``sparsekv train-hash --model <model> --output hash.safetensors`` and pass ``checkpoint=hash.safetensors``.
@@ -61,8 +62,18 @@ DEFAULT_BITS = 128
 FORMAT = "sparsekv-spotlight"
 FORMAT_VERSION = 1
 METADATA_KEY = "sparsekv"
-#: the checkpoint shipped for the embedded default model
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "data" / "spotlight-smollm2-135m.safetensors"
+#: the checkpoints shipped for the embedded models (`checkpoint="auto"` picks the one of the model's shape)
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+DEFAULT_CHECKPOINT = DATA_DIR / "spotlight-smollm2-135m.safetensors"  # the default model's
+
+
+def shipped_checkpoint(layer: LayerInfo) -> tuple[Path, dict] | None:
+    """The shipped checkpoint (and its header) made for a model of `layer`'s shape, None when none is."""
+    for path in sorted(DATA_DIR.glob("spotlight-*.safetensors")):
+        header = read_header(path)
+        if shape_mismatch(header["fingerprint"], layer) is None:
+            return path, header
+    return None
 
 
 def softsign(x: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -303,7 +314,7 @@ def untrained_hash(layer: LayerInfo, bits: int, kind: str, seed: int) -> LayerHa
 class SpotlightSelector(TokenSelector):
     """Spotlight Attention (learned MLP hash + Hamming top-k). Options:
 
-    checkpoint: "auto" (shipped checkpoint for the default model's shape, else an untrained seeded hash),
+    checkpoint: "auto" (the shipped checkpoint of the model's shape, else an untrained seeded hash),
         "none" (untrained hash) or a path written by `sparsekv train-hash`.
     bits / hash: code length and hash kind of the untrained hash; with a checkpoint they are read from it
         (a different explicit value is a ConfigError).
@@ -533,7 +544,7 @@ class SpotlightSelector(TokenSelector):
         # deferred new keys: their codes are written by `_query_codes`, which runs before the scorer
         keys = self._codes[..., : step.keys.shape[-2], :]
         query_codes = lambda: self._query_codes(step.query)  # hashed only when the fast path runs
-        fast = fixed_hamming_selection(query_codes, keys, self.code_bits, step)
+        fast = fixed_hamming_selection(query_codes, keys, self.code_bits, step, self.threshold_hints)
         if fast is not None:
             return fast
         fast = fused_hamming_selection(query_codes, keys, self.code_bits, step, self.threshold_hints)
@@ -578,12 +589,9 @@ def resolve_hash(
     if checkpoint == "none":
         return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
     if checkpoint == "auto":
-        if not DEFAULT_CHECKPOINT.is_file():
+        if (shipped := shipped_checkpoint(layer)) is None:
             return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
-        header = read_header(DEFAULT_CHECKPOINT)
-        if shape_mismatch(header["fingerprint"], layer) is not None:
-            return untrained_hash(layer, bits or DEFAULT_BITS, kind or "mlp", seed)
-        path = DEFAULT_CHECKPOINT
+        path, header = shipped
     else:
         path = Path(checkpoint)
         header = read_header(path)
