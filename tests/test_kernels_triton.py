@@ -395,6 +395,38 @@ def test_sign_hash_triton(impl, monkeypatch, mlp, resid, cols, early):
     assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
 
 
+@here
+@pytest.mark.parametrize("queries", [1, 40])  # decode rows, and a prompt's (128 rows or more per kv head)
+def test_sign_hash_head_dim_256(queries):
+    """Gemma 3's shape (head_dim 256, MLP hidden 256, one kv head of 4 query heads): the hidden layer runs in
+    chunks and the rows, chunks and output columns in tiles of at most TILE_BYTES (a whole 256 x 256 float32 W1
+    needs more shared memory than an H200 has); the codes equal the reference's, the pair kernel's too."""
+    from sparsekv.kernels.bits import popcount32
+    from sparsekv.kernels.sign_hash import sign_hash_pair_reference, sign_hash_reference
+
+    mod = importlib.import_module("sparsekv.kernels._sign_hash_triton")
+    assert mod._fit(256, 256 * 4, 16) == 64 and mod._fit(128, 128 * 4, 16) == 128  # float32: 256 in chunks of 64
+    gen = torch.Generator().manual_seed(queries)
+    d, hid, bits = 256, 256, 128
+    x = torch.randn(2, 4, queries, d, generator=gen)
+    w1, w2 = torch.randn(1, d, hid, generator=gen) * d**-0.5, torch.randn(1, hid, bits, generator=gen) * 0.1
+    b1, wr = torch.randn(1, hid, generator=gen), torch.randn(1, d, bits, generator=gen) * d**-0.5
+    ref = sign_hash_reference(x.double(), w1.double(), w2.double(), b1.double(), wr.double())
+    out = mod.sign_hash_triton(*(t.to(DEV) for t in (x, w1, w2, b1, wr))).cpu()
+    flips = popcount32(out ^ ref).sum().item()  # tf32 dots on the GPU may flip signs of values near 0
+    assert out.shape == ref.shape and flips <= 0.01 * ref.numel() * 32, flips
+    if queries == 1:
+        keys = torch.randn(2, 1, 1, d, generator=gen)
+        mean, kscale, qscale = torch.zeros(1, d), torch.ones(1), torch.ones(1)
+        ref_keys = torch.zeros(2, 1, 1, bits // 32, dtype=torch.int32)
+        ref_q = sign_hash_pair_reference(x.double(), keys.double(), ref_keys, mean, kscale, qscale, w1, w2, b1, wr)
+        got_keys = torch.zeros(2, 1, 1, bits // 32, dtype=torch.int32, device=DEV)
+        got_q = mod.sign_hash_pair_triton(*(t.to(DEV) for t in (x, keys)), got_keys,
+                                          *(t.to(DEV) for t in (mean, kscale, qscale, w1, w2, b1, wr))).cpu()  # fmt: skip
+        for got, want in ((got_q, ref_q), (got_keys.cpu(), ref_keys)):
+            assert popcount32(got ^ want).sum().item() <= 0.01 * want.numel() * 32
+
+
 @here  # imports a kernel module: triton is imported in the process that runs the kernels only
 def test_decode_hash_bits_per_program():
     """As narrow as one program per SM allows (132 SMs: an H200): B1 and B8 of Llama-3-8B (8 kv heads)."""

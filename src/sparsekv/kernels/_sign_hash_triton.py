@@ -19,6 +19,18 @@ from sparsekv.kernels._triton import MAX_GRID, check_grid, pdl_launch
 TUNE = {"cols": "auto", "early": False}
 
 
+#: bytes of one dot operand tile (x rows, a chunk of W1, W2 or Wr): 64 KB, what a float32 head_dim 128 takes in
+#: one piece (a 256 x 256 float32 W1 in one tile asked for 512 KB of shared memory on the H200, which has 227 KB)
+TILE_BYTES = 64 * 1024
+
+
+def _fit(size: int, per_unit: int, least: int) -> int:
+    """`size` halved until `size` x `per_unit` bytes fit in TILE_BYTES (never below `least`; powers of two stay)."""
+    while size > least and size * per_unit > TILE_BYTES:
+        size //= 2
+    return size
+
+
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -39,30 +51,32 @@ def decode_cols(programs: int, bits: int, sms: int) -> int:
 @triton.jit
 def hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D: tl.constexpr,
                  HID: tl.constexpr, BITS: tl.constexpr, MLP: tl.constexpr, BIAS: tl.constexpr, RESID: tl.constexpr,
-                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr):  # fmt: skip
+                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr, HC: tl.constexpr):  # fmt: skip
     """Rows x [BM, D] of one kv head through x @ W1 (+ b1, SiLU, @ W2) (+ x @ Wr): output columns
-    [cb * COLS, (cb + 1) * COLS) in float32."""
+    [cb * COLS, (cb + 1) * COLS) in float32. The MLP's hidden layer runs in chunks of HC units (each chunk's
+    SiLU output times its rows of W2, summed), so that a weight tile stays within shared memory at any head_dim."""
     d = tl.arange(0, D)
-    hid = tl.arange(0, HID)
     kb = cb * COLS + tl.arange(0, COLS)
-    w1 = tl.load(w1_ptr + kvh.to(tl.int64) * sw1h + d[:, None] * sw1d + hid[None, :])
-    if MLP and EARLY:  # the second layer's weights in flight with the first's, not after the first dot
-        w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
-        if RESID:
-            wr = tl.load(wr_ptr + kvh.to(tl.int64) * D * BITS + d[:, None] * BITS + kb[None, :])
-    x = x.to(w1.dtype)
-    y = tl.dot(x, w1, input_precision=PREC)  # [BM, HID] fp32
-    if MLP:
+    w_head = kvh.to(tl.int64)
+    if not MLP:  # sign(x W1 + b2): this program's output columns of W1
+        w1 = tl.load(w1_ptr + w_head * sw1h + d[:, None] * sw1d + kb[None, :])
+        return tl.dot(x.to(w1.dtype), w1, input_precision=PREC)  # [BM, COLS] fp32
+    y = tl.zeros([x.shape[0], COLS], dtype=tl.float32)
+    for h0 in tl.static_range(0, HID, HC):
+        hid = h0 + tl.arange(0, HC)
+        w1 = tl.load(w1_ptr + w_head * sw1h + d[:, None] * sw1d + hid[None, :])
+        if EARLY:  # the second layer's weights in flight with the first's, not after the first dot
+            w2 = tl.load(w2_ptr + w_head * sw2h + hid[:, None] * sw2k + kb[None, :])
+        h = tl.dot(x.to(w1.dtype), w1, input_precision=PREC)  # [BM, HC] fp32
         if BIAS:
-            y += tl.load(b1_ptr + kvh * HID + hid)[None, :].to(tl.float32)
-        y = y * tl.sigmoid(y)
+            h += tl.load(b1_ptr + kvh * HID + hid)[None, :].to(tl.float32)
+        h = h * tl.sigmoid(h)
         if not EARLY:
-            w2 = tl.load(w2_ptr + kvh.to(tl.int64) * sw2h + hid[:, None] * sw2k + kb[None, :])
-        y = tl.dot(y.to(w2.dtype), w2, input_precision=PREC)  # [BM, COLS]
-        if RESID:  # Spotlight's MLP hash adds a linear branch: x @ Wr (same shape as W2's output)
-            if not EARLY:
-                wr = tl.load(wr_ptr + kvh.to(tl.int64) * D * BITS + d[:, None] * BITS + kb[None, :])
-            y += tl.dot(x, wr, input_precision=PREC)
+            w2 = tl.load(w2_ptr + w_head * sw2h + hid[:, None] * sw2k + kb[None, :])
+        y += tl.dot(h.to(w2.dtype), w2, input_precision=PREC)  # [BM, COLS]
+    if RESID:  # Spotlight's MLP hash adds a linear branch: x @ Wr (same shape as W2's output)
+        wr = tl.load(wr_ptr + w_head * D * BITS + d[:, None] * BITS + kb[None, :])
+        y += tl.dot(x.to(wr.dtype), wr, input_precision=PREC)
     return y
 
 
@@ -103,6 +117,7 @@ def _sign_hash_kernel(
     USE_PDL: tl.constexpr = False,
     COLS: tl.constexpr = 32,
     EARLY: tl.constexpr = False,
+    HC: tl.constexpr = 16,
 ):
     pdl_enter(USE_PDL)
     t = tl.program_id(0)
@@ -119,7 +134,7 @@ def _sign_hash_kernel(
         other=0.0,
     )
     y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, BIAS,
-                     RESID, PREC, COLS, EARLY)  # fmt: skip
+                     RESID, PREC, COLS, EARLY, HC)  # fmt: skip
     kb = cb * COLS + tl.arange(0, COLS)
     if BIAS2:
         y += tl.load(b2_ptr + kvh * BITS + kb)[None, :].to(tl.float32)
@@ -170,6 +185,7 @@ def _sign_hash_pair_kernel(
     COLS: tl.constexpr,
     EARLY: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    HC: tl.constexpr = 16,
 ):
     """Queries and new keys of one kv head in one tile: rows [0, MQ) are the group's queries (x / query scale),
     rows [MQ, MQ + MK) the new keys ((x - key mean) / key scale); one MLP pass, two outputs."""
@@ -191,7 +207,7 @@ def _sign_hash_pair_kernel(
     scale = tl.where(is_q, tl.load(qscale_ptr + kvh), tl.load(kscale_ptr + kvh))
     x = tl.where(is_q[:, None], xq.to(tl.float32), xk.to(tl.float32) - mean[None, :]) / scale[:, None]
     y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, True,
-                     RESID, PREC, COLS, EARLY)  # fmt: skip
+                     RESID, PREC, COLS, EARLY, HC)  # fmt: skip
     words = packed_signs(y, BM, COLS)
     W: tl.constexpr = BITS // 32
     w = cb * (COLS // 32) + tl.arange(0, COLS // 32)
@@ -220,11 +236,12 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     out = torch.empty(b, heads, q, bits // 32, dtype=torch.int32, device=x.device)
     # 16 rows per program for decode (a few queries); long prompts take 128 (prompt keys of one 128K x B8 layer,
     # 3xTF32 on the H200: 35 ms at 16 rows, 49 ms at 64, 24 ms at 128; torch's float32 matmuls take 51 ms)
-    bm = 16 if m < 128 else 128
+    size = w1.element_size()
+    bm = 16 if m < 128 else _fit(128, d * size, 16)
     # decode queries: each program computes `decode_cols` output bits (the MLP's hidden layer is recomputed per
     # program), so more programs with shorter dot chains and smaller second-layer weight loads
-    cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, _sms(x.device)) if w2 is not None and m < 128 else bits
-    cols = cols if bits % cols == 0 else bits
+    cols = decode_cols(triton.cdiv(m, bm) * b * hkv, bits, _sms(x.device)) if m < 128 else bits
+    cols = _fit(cols if bits % cols == 0 else bits, d * size, 32)
     _sign_hash_kernel[check_grid("sign_hash", x.shape, (triton.cdiv(m, bm), b * hkv, bits // cols))](
         x,
         w1,
@@ -253,6 +270,7 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
         BM=bm,
         COLS=cols,
         EARLY=TUNE["early"],
+        HC=_fit(hid, d * size, 16),
         num_warps=8 if cols > 256 or w1.dtype == torch.float32 else 4,
         **pdl_launch(x.device),
     )
@@ -272,8 +290,9 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         keys = keys.contiguous()
     w2c = w2.contiguous() if w2 is not None else w1
     out_q = torch.empty(b, hq, q, bits // 32, dtype=torch.int32, device=query.device)
-    cols = decode_cols(b * hkv, bits, _sms(query.device)) if w2 is not None else bits
-    cols = cols if bits % cols == 0 else bits
+    size = w1.element_size()
+    cols = decode_cols(b * hkv, bits, _sms(query.device))
+    cols = _fit(cols if bits % cols == 0 else bits, d * size, 32)
     _sign_hash_pair_kernel[check_grid("sign_hash_pair", query.shape, (b * hkv, bits // cols))](
         query,
         keys,
@@ -310,6 +329,7 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         BM=max(16, triton.next_power_of_2(mq + t)),
         COLS=cols,
         EARLY=TUNE["early"],
+        HC=_fit(hid, d * size, 16),
         num_warps=8 if w1.dtype == torch.float32 else 4,
         **pdl_launch(query.device),
     )
