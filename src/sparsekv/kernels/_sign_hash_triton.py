@@ -51,7 +51,8 @@ def decode_cols(programs: int, bits: int, sms: int) -> int:
 @triton.jit
 def hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D: tl.constexpr,
                  HID: tl.constexpr, BITS: tl.constexpr, MLP: tl.constexpr, BIAS: tl.constexpr, RESID: tl.constexpr,
-                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr, HC: tl.constexpr):  # fmt: skip
+                 PREC: tl.constexpr, COLS: tl.constexpr, EARLY: tl.constexpr, HC: tl.constexpr,
+                 BM: tl.constexpr):  # fmt: skip
     """Rows x [BM, D] of one kv head through x @ W1 (+ b1, SiLU, @ W2) (+ x @ Wr): output columns
     [cb * COLS, (cb + 1) * COLS) in float32. The MLP's hidden layer runs in chunks of HC units (each chunk's
     SiLU output times its rows of W2, summed), so that a weight tile stays within shared memory at any head_dim."""
@@ -61,7 +62,7 @@ def hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, s
     if not MLP:  # sign(x W1 + b2): this program's output columns of W1
         w1 = tl.load(w1_ptr + w_head * sw1h + d[:, None] * sw1d + kb[None, :])
         return tl.dot(x.to(w1.dtype), w1, input_precision=PREC)  # [BM, COLS] fp32
-    y = tl.zeros([x.shape[0], COLS], dtype=tl.float32)
+    y = tl.zeros([BM, COLS], dtype=tl.float32)
     for h0 in tl.static_range(0, HID, HC):
         hid = h0 + tl.arange(0, HC)
         w1 = tl.load(w1_ptr + w_head * sw1h + d[:, None] * sw1d + hid[None, :])
@@ -134,7 +135,7 @@ def _sign_hash_kernel(
         other=0.0,
     )
     y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, BIAS,
-                     RESID, PREC, COLS, EARLY, HC)  # fmt: skip
+                     RESID, PREC, COLS, EARLY, HC, BM)  # fmt: skip
     kb = cb * COLS + tl.arange(0, COLS)
     if BIAS2:
         y += tl.load(b2_ptr + kvh * BITS + kb)[None, :].to(tl.float32)
@@ -207,7 +208,7 @@ def _sign_hash_pair_kernel(
     scale = tl.where(is_q, tl.load(qscale_ptr + kvh), tl.load(kscale_ptr + kvh))
     x = tl.where(is_q[:, None], xq.to(tl.float32), xk.to(tl.float32) - mean[None, :]) / scale[:, None]
     y = hash_outputs(x, w1_ptr, w2_ptr, b1_ptr, wr_ptr, kvh, cb, sw1h, sw1d, sw2h, sw2k, D, HID, BITS, MLP, True,
-                     RESID, PREC, COLS, EARLY, HC)  # fmt: skip
+                     RESID, PREC, COLS, EARLY, HC, BM)  # fmt: skip
     words = packed_signs(y, BM, COLS)
     W: tl.constexpr = BITS // 32
     w = cb * (COLS // 32) + tl.arange(0, COLS // 32)

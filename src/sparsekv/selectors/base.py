@@ -332,12 +332,12 @@ def fixed_hamming_selection(
     key_codes: torch.Tensor,
     bits: int,
     step: DecodeStep,
-    hints: RowBuffer | None = None,
+    threshold_hints: RowBuffer | None = None,
 ) -> Selection | None:
     """`fused_hamming_selection` for fixed-shape steps: scoring (empty slots below every key, the local window
     at the written end), histogram and select fused in the Hamming kernels, then each row's budget. None where it
-    does not apply (the caller runs its own rule); `query_codes` is called only when it does. `hints`: the
-    selector's thresholds of its previous step (allocated by the run before a capture, which every replay
+    does not apply (the caller runs its own rule); `query_codes` is called only when it does. `threshold_hints`:
+    the selector's thresholds of its previous step (allocated by the run before a capture, which every replay
     then reads and rewrites)."""
     from sparsekv.kernels._triton import use_triton
 
@@ -346,7 +346,7 @@ def fixed_hamming_selection(
         return None
     if (step.gqa != "group" and step.layer.group_size > 1) or hints.max_budget >= key_codes.shape[2]:
         return None
-    return _fixed_hamming_core(query_codes(), key_codes, bits, step, hints)
+    return _fixed_hamming_core(query_codes(), key_codes, bits, step, threshold_hints)
 
 
 def _fixed_hamming_core(
