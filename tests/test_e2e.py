@@ -191,9 +191,12 @@ for n, length, budget, sink, local, bits, start in [(300, 211, 0.05, 0, 0, 128, 
                       forced, token_budgets(config, visible, forced), layer, "group", hints)
     ref = hamming_topk(hamming_scores_reference(qc, kc, bits=bits), step)
     on_dev = step.replace(visible=visible.to(dev), forced=forced.to(dev), budgets=step.budgets.to(dev))
-    fast = _fixed_hamming_core(qc.to(dev), kc.to(dev), bits, on_dev)
-    assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, length, budget, sink, local, bits, "fused")
-    assert torch.equal(ref.counts(), fast.counts().cpu())
+    thresholds = RowBuffer()  # a captured step's buffer: the second call starts from the first one's thresholds
+    for hint in (None, thresholds, thresholds):
+        fast = _fixed_hamming_core(qc.to(dev), kc.to(dev), bits, on_dev, hint)
+        assert torch.equal(ref.to_mask(n), fast.to_mask(n).cpu()), (n, length, budget, sink, local, bits, hint)
+        assert torch.equal(ref.counts(), fast.counts().cpu())
+    assert thresholds.buffer is not None and thresholds.buffer.shape == (2 * 2,)
 print("OK")
 """
 

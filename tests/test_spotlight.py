@@ -208,6 +208,26 @@ def test_auto_on_an_untrained_shape_is_the_seeded_untrained_hash():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize(
+    "shape,layer_idx,shipped",
+    [((30, 9, 3, 64), 2, "spotlight-smollm2-135m.safetensors"), ((18, 4, 1, 256), 11, "spotlight-gemma3-270m.safetensors")],
+)
+def test_auto_picks_the_shipped_hash_of_the_models_shape(shape, layer_idx, shipped):
+    """The embedded models' shapes get their shipped hashes (the layer's trained weights, not the seeded ones)."""
+    from sparsekv.selectors.spotlight import DATA_DIR, resolve_hash, shipped_checkpoint
+
+    layers, heads, kv_heads, head_dim = shape
+    info = LayerInfo(layer_idx=layer_idx, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                     head_dim=head_dim, scaling=head_dim**-0.5)  # fmt: skip
+    path, header = shipped_checkpoint(info)
+    assert path == DATA_DIR / shipped and layer_idx in header["layers"]
+    auto = resolve_hash(info, "auto", None, None, 0)
+    trained = load_checkpoint(path).layers[layer_idx]
+    assert all(torch.equal(a, b) for a, b in zip(auto.state_dict().values(), trained.state_dict().values()))
+    untrained = resolve_hash(info, "none", None, None, 0)
+    assert not torch.equal(next(iter(auto.state_dict().values())), next(iter(untrained.state_dict().values())))
+
+
 def test_save_keeps_normalisation_in_float32(tmp_path):
     fn = LayerHash(2, 4, 8, "mlp", generator=torch.Generator().manual_seed(0))
     fn.set_normalisation(torch.full((2, 4), 0.1234567), torch.tensor([1.5, 2.5]), torch.tensor([3.0, 4.0]))
