@@ -316,8 +316,7 @@ class BudgetStats:
         """`record` for fixed-shape steps, in place on the device sums: the layer's kept tokens summed over its
         rows, times `per_kept` ([1, 0, 1 / visible, 0]: every row of such a step sees the same tokens), plus
         `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
-        # the count reduced in int32 (exact below 2**31 picks): a float64 reduction costs a captured step ~10 us a layer
-        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.int32))
+        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
 
     def add_host(self, layer_idx: int, *, kept: float, seen: float, fraction: float, rows: int) -> None:
         """Sums known on the host (kept, visible, kept / visible over rows, rows) added to a layer's."""
