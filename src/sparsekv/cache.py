@@ -105,7 +105,8 @@ class SparseLayer(DynamicLayer):
         needed = self.length + new
         if self.selector is not None and self.selector.stores_kv and not self.prompt_open:
             self.length, self.new_tokens = needed, new
-            self.keys, self.values = self.selector.store(key_states, value_states)
+            self.selector.store(key_states, value_states)
+            self.keys = self.values = self._stand_in(self.length)
             return self.keys, self.values
         if self._key_buffer is None or needed > self._key_buffer.shape[-2]:
             capacity = max(
@@ -191,7 +192,7 @@ class SparseLayer(DynamicLayer):
         return self.keys.new_zeros(1, 1, 1, 1).expand(b, h, length, 1)
 
     def get_seq_length(self) -> int:
-        # the layer's own count: a compressed layer hands attention a zero-width stand-in for its K/V
+        # the layer's own count: a compressing layer hands attention a stand-in for its K/V (`_stand_in`)
         return self.length
 
     def prompt_queries(self, query: torch.Tensor) -> torch.Tensor:

@@ -557,15 +557,10 @@ class TokenSelector:
     def select(self, step: DecodeStep) -> Selection:
         return topk_selection(self.score(step), step)
 
-    def store(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For `stores_kv` methods: keeps the new tokens and returns the (keys, values) handed to attention.
-
-        During the prefill return the full-precision inputs (the dense prefill needs them); afterwards anything
-        whose shape[-2] is the total cached length (e.g. an empty [B, Hkv, N, 0] stand-in) since `attend` reads
-        the method's own storage.
-        """
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """For `stores_kv` methods: keeps the new tokens [B, Hkv, T, d] of a decode forward (the prompt's come
+        through `prefill`). `attend` reads the method's own storage; the cache layer hands attention a stand-in of
+        the cached length as its K/V (`SparseLayer._stand_in`)."""
         raise NotImplementedError
 
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:

@@ -185,21 +185,10 @@ class SelfIndexSelector(TokenSelector):
 
     # --- storage hooks ----------------------------------------------------------------------------------------
 
-    def store(
-        self, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._prefilled:
-            return key_states, value_states  # the dense prefill needs them; prefill() compresses
+    def store(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if not self._prefilled:  # the prompt is compressed by `prefill`, from the whole prompt's statistics
+            raise RuntimeError("self-index stores tokens after its prefill")
         self.kv.append(key_states, value_states)
-        stand_in = self._stand_in(key_states)
-        return stand_in, stand_in
-
-    def _stand_in(self, like: torch.Tensor) -> torch.Tensor:
-        """What the cache layer holds as its keys / values once this selector keeps the tokens: [B, Hkv, N, 1] with
-        N the cached length, one element expanded (no memory per token; `attend` reads the selector's storage).
-        Not empty, so that code reading the length off the keys (transformers' layers do) sees N, not 0."""
-        b, h = like.shape[:2]
-        return like.new_zeros(1, 1, 1, 1).expand(b, h, self.kv.rows.view_length, 1)
 
     def begin_fixed_shape(self, capacity: int) -> None:
         self.kv.begin_fixed(capacity)
