@@ -141,19 +141,21 @@ def sparse_attention_forward(
         )
     if layer is not None and layer.fixed_position is not None and layer.keys is key:
         return _decode_fixed_shape(module, query, key, value, scaling, cache, layer)
-    if layer is None or layer.selector is None or layer.keys is not key:
-        # not ours (no cache / a forward of another module / dense layer): plain SDPA, what the model would do
+    if layer is None or layer.keys is not key:
+        # not ours (no cache / a forward of another module): plain SDPA, what the model would do
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if layer.selector is None:  # a dense layer of the SparseCache
+        return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     if not layer.prompt_open:
         return _decode(module, query, key, value, attention_mask, scaling, cache, layer, layer.new_tokens)
     # the prompt (whole, or one of its chunks) attends densely; the selector sees it once it is complete
     past_prompt = cache.tokens_past_prompt(layer)
     if not past_prompt:
-        prompt_queries = layer.prompt_queries(query)
-        if cache.prompt_ends(layer):
-            layer.finish_prompt(key, value, prompt_queries, prompt_key_mask(attention_mask, key.shape[2]))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        out = _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        key_mask = prompt_key_mask(attention_mask, key.shape[2])
+        layer.prompt_chunk_attended(key, value, query, key_mask, cache.prompt_ends(layer))
+        return out
     # the forward runs past the prompt's end (assisted generation and prompt lookup send the prompt with their
     # first candidates): its prompt queries attend densely, the rest decodes as it would in later forwards
     if layer.selector.stores_kv:
@@ -169,6 +171,24 @@ def sparse_attention_forward(
     layer.finish_prompt(key[:, :, :n_prompt], value[:, :, :n_prompt], prompt_queries, prompt_key_mask(mask, n_prompt))
     tail, _ = _decode(module, query[:, :, q_prompt:], key, value, attention_mask, scaling, cache, layer, past_prompt)
     return torch.cat([head, tail], dim=1), None
+
+
+def _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """Transformers' SDPA, one sequence at a time for a prompt chunk after the first of a batch: with a mask (such
+    a chunk has one) SDPA copies the K/V of every earlier token once per query head of a GQA group, and for the
+    whole batch that transient copy is several times a compressed cache (the sequences a GPU serves would be set by
+    the prefill, not by the cache); for one row it is a constant. Each row's result is what the batch gives it."""
+    batch, _, queries, _ = query.shape
+    if batch == 1 or attention_mask is None or queries == 1 or key.shape[2] == queries:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    rows = []
+    for row in range(query.shape[0]):
+        shared = attention_mask is None or attention_mask.shape[0] == 1
+        mask = attention_mask if shared else attention_mask[row : row + 1]
+        out, _ = sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1], value[row : row + 1], mask,
+                                        dropout, scaling, **kwargs)  # fmt: skip
+        rows.append(out)
+    return torch.cat(rows), None
 
 
 def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCache, layer, new_tokens: int):

@@ -88,10 +88,14 @@ class SparseLayer(DynamicLayer):
         self.length = 0
         self.new_tokens = 0
         #: (sparse layers) the prompt is still coming in, in one forward or in chunks: attention is dense, the K/V
-        #: stay plain, and the selector's state is built once, from the whole prompt, when it ends (`finish_prompt`)
+        #: stay plain, and the selector's state is built once, from the whole prompt, when it ends (`finish_prompt`;
+        #: a compressing selector may store a long chunked prompt chunk by chunk instead: `prompt_stored`)
         self.prompt_open = True
         self.prompt_tokens = 0
         self._prompt_queries: torch.Tensor | None = None
+        #: (compressing selectors) the prompt arrives in chunks and the selector stores it chunk by chunk
+        #: (`TokenSelector.opens_prompt`): the layer holds no 16-bit K/V, later chunks attend over the stored ones
+        self.prompt_stored = False
         #: fixed-shape decoding (`SparseCache.begin_fixed_shape`): the device position this step's token is written
         #: to; attention then sees the whole preallocated buffer and masks what lies past the position
         self.fixed_position: torch.Tensor | None = None
@@ -108,10 +112,12 @@ class SparseLayer(DynamicLayer):
             self.selector.store(key_states, value_states)
             self.keys = self.values = self._stand_in(self.length)
             return self.keys, self.values
+        if self.prompt_stored:
+            return self._update_stored_prompt(key_states, value_states)
         if self._key_buffer is None or needed > self._key_buffer.shape[-2]:
-            capacity = max(
-                needed, self.initial_capacity, 2 * (0 if self._key_buffer is None else self.length)
-            )
+            # a compressing selector keeps the decode tokens itself: the 16-bit buffer only ever holds the prompt
+            reserve = 0 if self.stores_kv else self.initial_capacity
+            capacity = max(needed, reserve, 2 * (0 if self._key_buffer is None else self.length))
             self._key_buffer = self._grow(self._key_buffer, key_states, capacity)
             self._value_buffer = self._grow(self._value_buffer, value_states, capacity)
         self._key_buffer[..., self.length : needed, :] = key_states
@@ -119,6 +125,20 @@ class SparseLayer(DynamicLayer):
         self.length, self.new_tokens = needed, new
         self.keys = self._key_buffer[..., :needed, :]
         self.values = self._value_buffer[..., :needed, :]
+        return self.keys, self.values
+
+    def _update_stored_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A later chunk of a prompt stored chunk by chunk: its dense attention reads the earlier chunks as the
+        selector stored them (dequantized, for this forward only) and the chunk itself; the selector takes the
+        chunk once it has attended (`prompt_chunk_attended`)."""
+        b, h, new, d = key_states.shape
+        needed = self.length + new
+        self.keys = key_states.new_empty(b, h, needed, d)
+        self.values = value_states.new_empty(b, h, needed, d)
+        self.selector.read_stored_into(self.keys[..., : self.length, :], self.values[..., : self.length, :])
+        self.keys[..., self.length :, :] = key_states
+        self.values[..., self.length :, :] = value_states
+        self.length, self.new_tokens = needed, new
         return self.keys, self.values
 
     def _update_fixed_shape(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -207,6 +227,29 @@ class SparseLayer(DynamicLayer):
         self._prompt_queries = query
         return query
 
+    def prompt_chunk_attended(
+        self, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor, key_mask: torch.Tensor | None, ends: bool
+    ) -> None:
+        """The prompt, or one of its chunks, has attended densely (key / value: every prompt token so far, query
+        [B, Hq, Q, d]: the forward's, key_mask [B, N] or None); `ends`: it completes the prompt. A compressing
+        selector may take a long prompt chunk by chunk from here (`TokenSelector.opens_prompt`); otherwise the
+        prompt is held until it ends (`finish_prompt`)."""
+        queries = self.prompt_queries(query)
+        if self.prompt_stored:
+            new = self.new_tokens
+            self.selector.store_prompt_chunk(key[..., -new:, :], value[..., -new:, :], query)
+            self.keys = self.values = self._stand_in(self.length)  # the dequantized earlier chunks go now
+            if ends:
+                self.selector.close_prompt(queries)
+                self._close_prompt(self.length)
+        elif ends:
+            self.finish_prompt(key, value, queries, key_mask)
+        elif self.stores_kv and self.selector.opens_prompt(key.shape[-2], key_mask):
+            self.selector.open_prompt(key, value, queries, key_mask, capacity=self.initial_capacity)
+            self.prompt_stored = True
+            self._key_buffer = self._value_buffer = None
+            self.keys = self.values = self._stand_in(self.length)
+
     def finish_prompt(
         self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, key_mask: torch.Tensor | None
     ) -> None:
@@ -215,12 +258,15 @@ class SparseLayer(DynamicLayer):
         self.selector.prefill(keys, values, queries, key_mask=key_mask)
         if self.pruner is not None:
             self.pruner.prefill(keys, values, queries)
-        self.prompt_open = False
-        self.prompt_tokens = keys.shape[-2]
+        self._close_prompt(keys.shape[-2])
+
+    def _close_prompt(self, prompt_tokens: int) -> None:
+        self.prompt_open = self.prompt_stored = False
+        self.prompt_tokens = prompt_tokens
         self._prompt_queries = None
         if self.stores_kv:
-            # the selector compressed the prompt in its prefill and keeps every later token itself: the 16-bit
-            # prompt is released now, not at the first decode step
+            # the selector stored the prompt and keeps every later token itself: the 16-bit prompt is released
+            # now, not at the first decode step
             self._key_buffer = self._value_buffer = None
             self.keys = self.values = self._stand_in(self.length)
 

@@ -44,6 +44,9 @@ WindowsOpt = Annotated[int, typer.Option(help="consecutive windows of the text")
 StartOpt = Annotated[int, typer.Option(help="token offset of the first window")]
 SeedOpt = Annotated[int, typer.Option(help="seed of generated data and of torch")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
+PrefillChunkOpt = Annotated[int | None, typer.Option(
+    help="ppl: feed the dense prefix in chunks of this many tokens, as transformers' prefill_chunk_size does (a "
+    "compressing method such as self-index then stores a long prefix chunk by chunk)")]
 ChatOpt = Annotated[bool, typer.Option("--chat/--raw", help="apply the model's chat template to prompts")]
 
 
@@ -216,12 +219,14 @@ def ppl(
     windows: WindowsOpt = 1,
     start: StartOpt = 0,
     with_dense: Annotated[bool, typer.Option("--with-dense", help="also report the dense perplexity")] = False,
+    prefill_chunk_size: PrefillChunkOpt = None,
 ) -> dict:
     """Decode-faithful perplexity: dense prefill of --prefix tokens, sparse attention for every later token."""
     from sparsekv.eval.ppl import PplSettings, run_ppl
 
     text, name = read_text(text_file)
-    settings = PplSettings(context=context, prefix=prefix, chunk=chunk, windows=windows, start=start)
+    settings = PplSettings(context=context, prefix=prefix, chunk=chunk, windows=windows, start=start,
+                           prefill_chunk=prefill_chunk_size)  # fmt: skip
     payload = run_ppl(run.handle, config, settings, text=text, text_name=name, with_dense=with_dense,
                       cache=run.cache, quiet=run.quiet)  # fmt: skip
     table = Table("method", "ppl", "dense ppl", "tokens scored", "avg tokens attended", "tokens/s")
@@ -371,6 +376,7 @@ def compare(
     context: Annotated[int | None, typer.Option(help="ppl/iou window tokens; fidelity passage tokens")] = None,
     prefix: Annotated[int, typer.Option(help="ppl: dense prefix tokens")] = 512,
     chunk: Annotated[int, typer.Option(help="ppl: decode chunk")] = 256,
+    prefill_chunk_size: PrefillChunkOpt = None,
     windows: Annotated[int, typer.Option(help="ppl/iou: windows")] = 1,
     queries: Annotated[int, typer.Option(help="iou: compared queries per window")] = 64,
     lengths: Annotated[str | None, typer.Option(help="niah/ruler: lengths")] = None,
@@ -414,8 +420,8 @@ def compare(
     # under torchrun: cell i on rank i % world, the result merged on every rank; rank 0 reports
     with data_parallel(device) as (shard, rank_device):
         runner, settings_note = _task_runner(task, model, rank_device, dtype, cache, text_file,
-                                             context, prefix, chunk, windows, queries, lengths, depths, ruler_tasks,
-                                             samples, prompts_file, seed)  # fmt: skip
+                                             context, prefix, chunk, prefill_chunk_size, windows, queries, lengths,
+                                             depths, ruler_tasks, samples, prompts_file, seed)  # fmt: skip
         result = cmp.run_compare(task, runner, method_list, budget_list, base=base, options=options,
                                  quiet=quiet or not shard.is_main, shard=shard)  # fmt: skip
         stale = sum(shard.gather(cache.stale))
@@ -437,15 +443,18 @@ def compare(
     write_json(output, payload)
 
 
-def _task_runner(task, model, device, dtype, cache, text_file, context, prefix, chunk, windows, queries, lengths,
-                 depths, ruler_tasks, samples, prompts_file, seed):  # fmt: skip
+def _task_runner(task, model, device, dtype, cache, text_file, context, prefix, chunk, prefill_chunk, windows, queries,
+                 lengths, depths, ruler_tasks, samples, prompts_file, seed):  # fmt: skip
     h = handle(model, device, dtype)
     if task == "ppl":
         from sparsekv.eval.ppl import PplSettings, run_ppl
 
         text, name = read_text(text_file)
-        settings = PplSettings(context=context or 4096, prefix=prefix, chunk=chunk, windows=windows)
+        settings = PplSettings(context=context or 4096, prefix=prefix, chunk=chunk, windows=windows,
+                               prefill_chunk=prefill_chunk)  # fmt: skip
         note = f"{name}, {settings.windows} window(s) of {settings.context} tokens, dense prefix {prefix}"
+        if prefill_chunk:
+            note += f" fed in chunks of {prefill_chunk}"
         return (lambda config: run_ppl(h, config, settings, text=text, text_name=name, cache=cache)), note
     if task == "niah":
         from sparsekv.eval.niah import NiahSettings, run_niah

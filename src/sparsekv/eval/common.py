@@ -497,9 +497,11 @@ class SparsePass:
 
 
 @contextlib.contextmanager
-def sparse_pass(model, config: SparseConfig) -> Iterator[SparsePass]:
-    """A SparsePass of `config` on `model`, timed from the first forward to the end of the block."""
-    run = SparsePass(model, SparseCache.for_model(model, config))
+def sparse_pass(model, config: SparseConfig, prompt_length: int | None = None) -> Iterator[SparsePass]:
+    """A SparsePass of `config` on `model`, timed from the first forward to the end of the block.
+    `prompt_length`: the prompt may be fed in chunks (as transformers' `prefill_chunk_size` does); forwards up to
+    that length are its chunks (dense attention), later ones decode sparsely."""
+    run = SparsePass(model, SparseCache.for_model(model, config, prompt_length=prompt_length))
     start = time.perf_counter()
     with torch.inference_mode(), sparsekv.enabled(model, config):
         yield run

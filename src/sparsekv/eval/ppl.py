@@ -36,12 +36,17 @@ class PplSettings:
     chunk: int = 256
     windows: int = 1
     start: int = 0  # token offset of the first window in the text
+    #: the dense prefix fed in chunks of this many tokens, as transformers' `prefill_chunk_size` feeds a prompt
+    #: (None: in one forward); a compressing method may then store it chunk by chunk, which changes the numbers
+    prefill_chunk: int | None = None
 
     def check(self) -> None:
         if self.context < 2 or self.prefix < 1 or self.prefix >= self.context:
             raise ConfigError(f"need 1 <= prefix < context, got prefix={self.prefix}, context={self.context}")
         if self.chunk < 1 or self.windows < 1 or self.start < 0:
             raise ConfigError("chunk and windows must be >= 1 and start >= 0")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ConfigError(f"the prefill chunk must be >= 1 token, got {self.prefill_chunk}")
 
 
 def text_windows(tokenizer, text: str, settings: PplSettings) -> list[torch.Tensor]:
@@ -50,13 +55,17 @@ def text_windows(tokenizer, text: str, settings: PplSettings) -> list[torch.Tens
 
 
 @torch.inference_mode()
-def window_nll(model, ids: torch.Tensor, config: SparseConfig, prefix: int, chunk: int) -> dict:
-    """Summed negative log-likelihood of ids[prefix:] given dense prefill of ids[:prefix] and sparse decode."""
+def window_nll(
+    model, ids: torch.Tensor, config: SparseConfig, prefix: int, chunk: int, prefill_chunk: int | None = None
+) -> dict:
+    """Summed negative log-likelihood of ids[prefix:] given dense prefill of ids[:prefix] (in chunks of
+    `prefill_chunk` tokens when given) and sparse decode."""
     total = ids.shape[1]
     nll = torch.zeros((), dtype=torch.float64)
-    with sparse_pass(model, config) as run:
+    with sparse_pass(model, config, prompt_length=prefix if prefill_chunk else None) as run:
         ids = ids.to(run.device)
-        out = run(ids[:, :prefix], logits_to_keep=1)
+        for lo in range(0, prefix, prefill_chunk or prefix):
+            out = run(ids[:, lo : min(prefix, lo + (prefill_chunk or prefix))], logits_to_keep=1)
         logits = out.logits[:, -1:].float()
         nll += F.cross_entropy(logits[0], ids[0, prefix : prefix + 1], reduction="sum").double().cpu()
         # inputs prefix .. total-2 predict targets prefix+1 .. total-1
@@ -102,7 +111,8 @@ def run_ppl(
             for w in range(settings.windows):
 
                 def compute(w=w, cfg=cfg):
-                    return window_nll(handle.get()[0], data.ids[w], cfg, settings.prefix, settings.chunk)
+                    return window_nll(handle.get()[0], data.ids[w], cfg, settings.prefix, settings.chunk,
+                                      settings.prefill_chunk)  # fmt: skip
 
                 parts.append(run.cell(cfg, data.fields(shape, w), compute,
                                       label=f"{describe(cfg)} window {w + 1}/{settings.windows}"))  # fmt: skip
@@ -110,7 +120,8 @@ def run_ppl(
             results[cfg.method] = summarize(parts)
     main = results[config.method]
     payload = run.payload(config, text=data.name, context=settings.context, prefix=settings.prefix,
-                          chunk=settings.chunk, windows=settings.windows, **main)  # fmt: skip
+                          chunk=settings.chunk, windows=settings.windows, prefill_chunk=settings.prefill_chunk,
+                          **main)  # fmt: skip
     if with_dense:
         payload["dense_ppl"] = results["dense"]["ppl"] if config.method != "dense" else main["ppl"]
     return payload

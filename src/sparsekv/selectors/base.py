@@ -563,6 +563,29 @@ class TokenSelector:
         the cached length as its K/V (`SparseLayer._stand_in`)."""
         raise NotImplementedError
 
+    # a `stores_kv` method may store a prompt that arrives in chunks chunk by chunk, so that the whole prompt never
+    # lies in the cache at 16-bit: `opens_prompt` says when the chunks held so far suffice, `open_prompt` takes
+    # them, `store_prompt_chunk` each later one, `close_prompt` the end; later chunks attend over
+    # `read_stored_into`. The default holds the whole prompt and stores it when it ends (`prefill`).
+
+    def opens_prompt(self, held: int, key_mask: torch.Tensor | None) -> bool:
+        """Whether to start storing a chunked prompt with the `held` tokens cached so far (key_mask [B, held])."""
+        return False
+
+    def open_prompt(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                    key_mask: torch.Tensor | None, capacity: int = 0) -> None:  # fmt: skip
+        """`capacity`: the tokens the generation will hold, when known (0: unknown)."""
+        raise NotImplementedError
+
+    def store_prompt_chunk(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def close_prompt(self, query: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def read_stored_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
         """[B, Hq, Q, d] attention of the queries over their selected tokens."""
         valid = None if selection.all_valid else selection.valid

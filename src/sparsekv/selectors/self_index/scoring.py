@@ -102,3 +102,37 @@ def boost_sinks(
     current = scores.gather(-1, index)
     # in place: the scores are this step's own tensor (a copy of [B, H, Q, N] costs more than the LUT)
     return scores.scatter_(-1, index, torch.where(used, boost[:, :, None].expand_as(current), current))
+
+
+def rank_sink_pool(
+    keys: torch.Tensor, positions: torch.Tensor, query: torch.Tensor, count: int, scaling: float, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sinks of a prompt stored chunk by chunk: each chunk put forward its own `snap_sinks` candidates (keys
+    [B, Hkv, P, d], absolute positions [B, Hkv, P], SENTINEL = no candidate); the prompt's last SNAP_WINDOW queries
+    (query [B, Hq, >=W, d], at positions length - W .. length - 1, all real: the prompt held at least its
+    statistics' tokens) vote over the candidates as `snap_sinks` votes over the whole prompt (softmax weights
+    summed over the window and the group; no pooling, the candidates are not neighbours).
+
+    Returns `snap_sinks`'s (positions [B, Hkv, count] sorted ascending, unused = SENTINEL; rank) and the index of
+    each chosen candidate in the pool [B, Hkv, count] (its 16-bit K/V)."""
+    b, hkv, pool, _ = keys.shape
+    hq = query.shape[1]
+    window = min(SNAP_WINDOW, length)
+    q = query[:, :, query.shape[2] - window :].float()
+    k = keys.float().repeat_interleave(hq // hkv, dim=1)
+    query_pos = torch.arange(length - window, length, device=keys.device)
+    candidate_pos = positions.long().repeat_interleave(hq // hkv, dim=1)  # [B, Hq, P]
+    allowed = (candidate_pos[:, :, None, :] <= query_pos[None, None, :, None]) & (
+        candidate_pos[:, :, None, :] < SENTINEL
+    )
+    logits = (torch.matmul(q, k.transpose(-1, -2)) * scaling).masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    votes = weights.sum(2).view(b, hkv, hq // hkv, pool).sum(2)
+    votes = votes.masked_fill(positions.long() >= SENTINEL, float("-inf"))
+    k_top = min(count, pool)
+    top = votes.sort(dim=-1, descending=True, stable=True)
+    chosen, used = top.indices[..., :k_top], top.values[..., :k_top] > float("-inf")
+    rank = torch.arange(k_top, device=keys.device).expand_as(chosen)
+    chosen_pos = torch.where(used, positions.long().gather(-1, chosen), torch.full_like(chosen, SENTINEL))
+    chosen_pos, order = chosen_pos.sort(dim=-1)
+    return chosen_pos, rank.gather(-1, order), chosen.gather(-1, order)

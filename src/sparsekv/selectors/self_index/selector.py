@@ -14,7 +14,15 @@ from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, _force, to_selection_heads
 from sparsekv.selectors.self_index import device
 from sparsekv.selectors.self_index.codes import GROUP_DIMS, bitrev4, codes_from_sign_bits
-from sparsekv.selectors.self_index.scoring import SINK_BASE, SNAP_WINDOW, boost_sinks, lut_scores, snap_sinks
+from sparsekv.selectors.self_index.scoring import (
+    SENTINEL,
+    SINK_BASE,
+    SNAP_WINDOW,
+    boost_sinks,
+    lut_scores,
+    rank_sink_pool,
+    snap_sinks,
+)
 from sparsekv.selectors.self_index.store import (
     FP_DTYPES,
     QUANT_GROUP,
@@ -67,6 +75,14 @@ class SelfIndexSelector(TokenSelector):
         compressed cache (results/self_index.md). Every stored K row (sign bits, |K| codes, sinks, residual
         block, kv_bits=16's full K) is in the rotated domain; `read_keys` / `gather_dequantized` return it so.
 
+    prompt_stats_tokens: a prompt that arrives in chunks (transformers' `prefill_chunk_size`) is held at 16-bit
+        only until every row has this many real tokens (4096); the statistics (mu, alpha, codebook) come from
+        them, and every later chunk is compressed as it arrives, its attention reading the earlier ones
+        dequantized, so a long prompt never lies in the cache at 16-bit. The sinks are chosen when the prompt
+        ends, among each chunk's own SnapKV candidates. 0: hold the whole prompt, compress it when it ends
+        (statistics from all of it; the 16-bit prompt then sets the peak memory). A prompt in one forward is
+        compressed when it ends either way.
+
     The paper's configuration is rescore=0, sink_share=1, k_bits=2, k_axis="token", k_group=32, v_group=32,
     k_zero=true, v_clip=false, v_rotate=false, k_rotate=false (`PAPER` in scripts/self_index_eval.py); the
     defaults keep the same bytes per token (24.8% of bf16 at 4K) and were chosen by decode-faithful perplexity
@@ -93,6 +109,7 @@ class SelfIndexSelector(TokenSelector):
     v_clip: bool = True
     v_rotate: bool = True
     k_rotate: bool = True
+    prompt_stats_tokens: int = 4096
 
     @classmethod
     def check_config(cls, config: SparseConfig) -> None:
@@ -130,10 +147,13 @@ class SelfIndexSelector(TokenSelector):
                     f"full, so residual must be a positive multiple of k_group; got residual={residual}, "
                     f"k_group={group}"
                 )
-        for name in ("sink_tokens", "residual", "rescore"):
+        for name in ("sink_tokens", "residual", "rescore", "prompt_stats_tokens"):
             value = options.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"self-index {name} must be an int >= 0, got {value!r}")
+        stats_tokens = options.get("prompt_stats_tokens", 4096)
+        if 0 < stats_tokens < SNAP_WINDOW:  # the sinks' voters, the prompt's last queries, must all be real tokens
+            raise ConfigError(f"self-index prompt_stats_tokens must be 0 or >= {SNAP_WINDOW}, got {stats_tokens}")
         if options.get("fp_dtype", "bfloat16") not in FP_DTYPES:
             raise ConfigError(f"self-index fp_dtype must be one of {', '.join(FP_DTYPES)}")
         if config.top_p is not None:
@@ -163,6 +183,8 @@ class SelfIndexSelector(TokenSelector):
             k_rotate=self.k_rotate,
         )  # fmt: skip
         self._prefilled = False
+        #: a prompt stored chunk by chunk (`open_prompt`): each chunk's sink candidates, (keys, values, positions)
+        self._sink_pool: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # (query, query R) of the last step
         self._rotated_for: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -217,6 +239,62 @@ class SelfIndexSelector(TokenSelector):
             sinks = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
         self.kv.prefill(keys, values, key_mask, sinks)
         self._prefilled = True
+
+    # --- a prompt stored chunk by chunk ----------------------------------------------------------------------
+
+    def opens_prompt(self, held: int, key_mask: torch.Tensor | None) -> bool:
+        """Whether the prompt held so far (`held` tokens, key_mask [B, held] or None) gives every row
+        `prompt_stats_tokens` real tokens: its statistics are then built and the prompt is compressed chunk by
+        chunk from here on (`open_prompt`)."""
+        if self.prompt_stats_tokens == 0:
+            return False
+        real = held if key_mask is None else int(key_mask.sum(-1).min())
+        return real >= self.prompt_stats_tokens
+
+    def open_prompt(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor,
+                    key_mask: torch.Tensor | None, capacity: int = 0) -> None:  # fmt: skip
+        """The first chunks of a prompt (keys / values [B, Hkv, N, d], its last queries, key_mask [B, N]):
+        the statistics from them, their rows compressed (room for `capacity` rows at once: the later chunks are
+        not copied into ever larger buffers); no sinks until the prompt ends (`close_prompt`)."""
+        self.kv.rows.reserve = capacity
+        self.kv.prefill(keys, values, key_mask, None)
+        self._prefilled = True
+        self._sink_pool = []
+        self._add_sink_candidates(keys, values, query, key_mask, 0)
+
+    def store_prompt_chunk(self, keys: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> None:
+        """A later chunk of a prompt stored chunk by chunk, compressed with the statistics of its first tokens."""
+        first = self.kv.rows.length
+        self.kv.append(keys, values)
+        self.kv.trim_tail()
+        self._add_sink_candidates(keys, values, query, None, first)
+
+    def close_prompt(self, query: torch.Tensor) -> None:
+        """The prompt stored chunk by chunk has ended; its last queries choose the sinks among the candidates."""
+        pool, self._sink_pool = self._sink_pool, []
+        if not pool:
+            return
+        keys, values, positions = (torch.cat(part, dim=2) for part in zip(*pool, strict=True))
+        chosen, rank, index = rank_sink_pool(
+            keys, positions, query, self.sink_tokens, self.layer.scaling, self.kv.rows.length
+        )
+        gather = index[..., None].expand(-1, -1, -1, keys.shape[-1])
+        self.kv.set_sinks(chosen, rank, keys.gather(2, gather), values.gather(2, gather))
+
+    def read_stored_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The tokens stored so far, dequantized, as the model gave them, into keys / values [B, Hkv, N, d]."""
+        self.kv.read_all_into(keys, values)
+
+    def _add_sink_candidates(self, keys, values, query, key_mask, first: int) -> None:
+        """A chunk's own sink candidates: the tokens its last queries attend most (`snap_sinks` over the chunk),
+        with their 16-bit K/V and absolute positions."""
+        if self.sink_tokens == 0:
+            return
+        positions, _ = snap_sinks(keys, query, self.sink_tokens, self.layer.scaling, key_mask)
+        index = positions.clamp(max=keys.shape[2] - 1)[..., None].expand(-1, -1, -1, keys.shape[-1])
+        fp = self.kv.storage_dtype(keys)
+        absolute = torch.where(positions < SENTINEL, positions + first, positions)
+        self._sink_pool.append((keys.gather(2, index).to(fp), values.gather(2, index).to(fp), absolute))
 
     def _rotated_query(self, step: DecodeStep) -> DecodeStep:
         """The step with its query rotated (k_rotate), once per step: select and attend see the same query."""

@@ -6,8 +6,9 @@ layout; kv_bits=16: the full K/V instead), the K block scales (k_axis="channel")
 and of the current residual block, and the layer's rotation signs. Every stored K row is K R with k_rotate, every
 stored V row V R with v_rotate.
 
-Writes: `prefill` (statistics, codebook, sink copies, the prompt's rows), `append` (decode tokens: rows with the
-prompt's statistics, the residual block's 16-bit copy, and the K blocks completed). Reads: `read_keys` /
+Writes: `prefill` (statistics, codebook, sink copies, the prompt's rows), `append` (decode tokens, and the later
+chunks of a prompt stored chunk by chunk: rows with the prompt's statistics, the residual block's 16-bit copy, and
+the K blocks completed), `set_sinks` (the sinks of a prompt stored chunk by chunk, once it ended). Reads: `read_keys` /
 `gather_dequantized`, the tokens as a query at a given position reads them (compressed rows dequantized, sinks and
 the query's own residual block from their 16-bit copies); `kernel_view` hands the same bytes to
 `kernels.compressed_kv`. `memory_breakdown` measures the bytes of the tensors held (buffer capacity included).
@@ -68,7 +69,8 @@ def maybe_compiled(fn, compiled: bool):
 
 class _Buffers:
     """Named [B, H, capacity, c] tensors grown together along dim 2 by a fixed step (64 tokens: the slack stays
-    small next to 4K+ tokens and appending stays cheap)."""
+    small next to 4K+ tokens and appending stays cheap), to at least `reserve` rows (a length known ahead: no
+    growth, and no copy, until it is reached)."""
 
     def __init__(self, reserve: int = 0, step: int = 64) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -82,7 +84,7 @@ class _Buffers:
         for name, value in new.items():
             buf = self.tensors.get(name)
             if buf is None or buf.shape[2] < needed:
-                capacity = max(needed, self.reserve) if buf is None else needed + self.step
+                capacity = max(needed, self.reserve) if buf is None else max(needed + self.step, self.reserve)
                 grown = value.new_empty(*value.shape[:2], capacity, *value.shape[3:])
                 if buf is not None:
                     grown[:, :, : self.length] = buf[:, :, : self.length]
@@ -164,7 +166,7 @@ class CompressedStore:
     def channel_axis(self) -> bool:
         return self.compressed and self.k_axis == "channel"
 
-    def _fp_dtype(self, like: torch.Tensor) -> torch.dtype:
+    def storage_dtype(self, like: torch.Tensor) -> torch.dtype:
         return FP_DTYPES[self.fp_dtype] or like.dtype
 
     # --- rotation ---------------------------------------------------------------------------------------------
@@ -179,10 +181,16 @@ class CompressedStore:
     def unrotate_values(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., d] in the stored V domain (an attention output, or rows of `gather_dequantized`) -> x R^T, in the
         input's dtype, computed in the cache's work dtype (x itself without v_rotate)."""
-        if self.v_signs is None:
+        return self._unrotate(x, self.v_signs)
+
+    def unrotate_keys(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., d] in the stored K domain -> x R^T in its dtype (x itself without k_rotate)."""
+        return self._unrotate(x, self.k_signs)
+
+    def _unrotate(self, x: torch.Tensor, signs: torch.Tensor | None) -> torch.Tensor:
+        if signs is None:
             return x
-        work = self.v_signs.dtype
-        return (torch.matmul(x.to(work), self.rot_base.T) * self.v_signs).to(x.dtype)
+        return (torch.matmul(x.to(signs.dtype), self.rot_base.T) * signs).to(x.dtype)
 
     def rotate_keys(self, x: torch.Tensor) -> torch.Tensor:
         """k_rotate: keys or queries [..., d] -> x R in their dtype (computed in the work dtype); x itself without.
@@ -223,7 +231,7 @@ class CompressedStore:
             self.sink_positions, self.sink_rank = positions.to(torch.int32), rank.to(torch.int16)
             if self.compressed:
                 idx = positions.clamp(max=n - 1)[..., None].expand(-1, -1, -1, d)
-                fp = self._fp_dtype(keys)
+                fp = self.storage_dtype(keys)
                 self.sink_keys = keys.gather(2, idx).to(fp)
                 self.sink_values = self.rotate_values(values.gather(2, idx), work).to(fp)
         exclude = (
@@ -245,6 +253,29 @@ class CompressedStore:
         """Decode tokens (keys / values [B, Hkv, T, d] as the model gives them), with the prompt's statistics."""
         self._append(self.rotate_keys(keys), values)
 
+    def set_sinks(self, positions: torch.Tensor, rank: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The sinks of a prompt stored chunk by chunk, chosen once it ended: positions / rank [B, Hkv, S] as
+        `snap_sinks` gives them, keys / values [B, Hkv, S, d] their 16-bit K/V as the model gave them."""
+        self.sink_positions, self.sink_rank = positions.to(torch.int32), rank.to(torch.int16)
+        if self.compressed:
+            fp = self.storage_dtype(keys)
+            self.sink_keys = self.rotate_keys(keys).to(fp)
+            self.sink_values = self.rotate_values(values, work_dtype(keys)).to(fp)
+
+    def trim_tail(self) -> None:
+        """Drops the 16-bit copies of the blocks before the last token's (an `append` of many tokens keeps them
+        all until the next one): after a prompt chunk, the tail holds one residual block, as after a decode step."""
+        if not self.compressed or self.residual <= 0 or self.tail.length == 0:
+            return
+        last = self.rows.length - 1
+        block = max(self.tail_start, self.decode_start + (last - self.decode_start) // self.residual * self.residual)
+        if block == self.tail_start:
+            return
+        held = {name: self.tail.view(name)[:, :, block - self.tail_start :].clone() for name in ("k", "v")}
+        self.tail = _Buffers(reserve=self.residual, step=self.residual)
+        self.tail.append(**held)
+        self.tail_start = block
+
     def _append(
         self,
         keys: torch.Tensor,
@@ -265,7 +296,7 @@ class CompressedStore:
         elif channel:
             # the blocks completed by these tokens, from the 16-bit copies (the tail holds every token from
             # k_done on; new tokens are rounded to the tail's dtype first, so chunked == token-by-token)
-            new = keys.to(self._fp_dtype(keys)).to(work) - self.mu
+            new = keys.to(self.storage_dtype(keys)).to(work) - self.mu
             held = self.k_done - self.tail_start
             if self.tail.length > held:
                 new = torch.cat([self.tail.view("k")[:, :, held:].to(work) - self.mu, new], dim=2)
@@ -285,7 +316,7 @@ class CompressedStore:
             if old["k"] is not None:
                 self.tail.append(k=old["k"], v=old["v"])
             self.tail_start = block
-        fp = self._fp_dtype(keys)
+        fp = self.storage_dtype(keys)
         self.tail.append(k=keys.to(fp), v=values.to(fp) if self.v_signs is None else rotated.to(fp))
 
     def _token_rows(
@@ -372,7 +403,7 @@ class CompressedStore:
         rows, _, rotated = self._token_rows(keys, values)
         tail = {}
         if self.compressed and self.residual > 0:
-            fp = self._fp_dtype(keys)
+            fp = self.storage_dtype(keys)
             tail = {"k": keys.to(fp), "v": (values if self.v_signs is None else rotated).to(fp)}
         return rows, tail
 
@@ -476,6 +507,26 @@ class CompressedStore:
             work,
         )
         return keys, self._with_copies(indices, positions, values, "v")
+
+    def read_all_into(self, keys: torch.Tensor, values: torch.Tensor, slice_tokens: int = 8192) -> None:
+        """Every stored token's K and V as the model gave them (un-rotated, mu added back; compressed rows
+        dequantized, sinks and the last token's residual block from their 16-bit copies) written into keys /
+        values [B, Hkv, N, d] (N = the tokens stored), `slice_tokens` at a time so that the work-dtype
+        intermediates stay small: what the later chunks of a prompt stored chunk by chunk attend over."""
+        b, h, n, _ = keys.shape
+        if n != self.rows.length:
+            raise ValueError(f"read_all_into: {n} rows asked, {self.rows.length} stored")
+        last = torch.tensor([n - 1], device=keys.device)
+        for lo in range(0, n, slice_tokens):
+            hi = min(n, lo + slice_tokens)
+            if self.compressed:
+                index = torch.arange(lo, hi, device=keys.device)[None, None, None].expand(b, h, 1, -1)
+                k, v = self.gather_dequantized(index, last)
+                k, v = k[:, :, 0], v[:, :, 0]
+            else:
+                k, v = self.rows.view("k_full")[:, :, lo:hi], self.rows.view("v_full")[:, :, lo:hi]
+            keys[:, :, lo:hi] = self.unrotate_keys(k).to(keys.dtype)
+            values[:, :, lo:hi] = self.unrotate_values(v).to(values.dtype)
 
     def _with_copies(
         self, indices: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, which: str
