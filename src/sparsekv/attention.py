@@ -152,7 +152,10 @@ def sparse_attention_forward(
     # the prompt (whole, or one of its chunks) attends densely; the selector sees it once it is complete
     past_prompt = cache.tokens_past_prompt(layer)
     if not past_prompt:
-        out = _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        if layer.prompt_stored:
+            out = _stored_prompt_attention(module, query, layer, attention_mask, dropout, scaling, **kwargs)
+        else:
+            out = _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         key_mask = prompt_key_mask(attention_mask, key.shape[2])
         layer.prompt_chunk_attended(key, value, query, key_mask, cache.prompt_ends(layer))
         return out
@@ -173,6 +176,25 @@ def sparse_attention_forward(
     return torch.cat([head, tail], dim=1), None
 
 
+def _stored_prompt_attention(module, query, layer, attention_mask, dropout, scaling, **kwargs):
+    """A chunk of a prompt that a compressing selector stores chunk by chunk attends densely over the earlier
+    chunks as stored, one sequence at a time (`SparseLayer.stored_prompt_row`): their dequantized K/V exist for one
+    row at a time, not for the batch."""
+    rows = []
+    for row in range(query.shape[0]):
+        keys, values = layer.stored_prompt_row(row)
+        out, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, _row_mask(attention_mask, row),
+                                        dropout, scaling, **kwargs)  # fmt: skip
+        rows.append(out)
+    return torch.cat(rows), None
+
+
+def _row_mask(attention_mask: torch.Tensor | None, row: int) -> torch.Tensor | None:
+    if attention_mask is None or attention_mask.shape[0] == 1:  # shared by every row
+        return attention_mask
+    return attention_mask[row : row + 1]
+
+
 def _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
     """Transformers' SDPA, one sequence at a time for a prompt chunk after the first of a batch: with a mask (such
     a chunk has one) SDPA copies the K/V of every earlier token once per query head of a GQA group, and for the
@@ -183,10 +205,8 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     rows = []
     for row in range(query.shape[0]):
-        shared = attention_mask is None or attention_mask.shape[0] == 1
-        mask = attention_mask if shared else attention_mask[row : row + 1]
-        out, _ = sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1], value[row : row + 1], mask,
-                                        dropout, scaling, **kwargs)  # fmt: skip
+        out, _ = sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1], value[row : row + 1],
+                                        _row_mask(attention_mask, row), dropout, scaling, **kwargs)  # fmt: skip
         rows.append(out)
     return torch.cat(rows), None
 

@@ -96,6 +96,8 @@ class SparseLayer(DynamicLayer):
         #: (compressing selectors) the prompt arrives in chunks and the selector stores it chunk by chunk
         #: (`TokenSelector.opens_prompt`): the layer holds no 16-bit K/V, later chunks attend over the stored ones
         self.prompt_stored = False
+        #: the chunk (keys, values) of a stored prompt in flight (`_update_stored_prompt`)
+        self.stored_prompt_chunk: tuple[torch.Tensor, torch.Tensor] | None = None
         #: fixed-shape decoding (`SparseCache.begin_fixed_shape`): the device position this step's token is written
         #: to; attention then sees the whole preallocated buffer and masks what lies past the position
         self.fixed_position: torch.Tensor | None = None
@@ -128,18 +130,27 @@ class SparseLayer(DynamicLayer):
         return self.keys, self.values
 
     def _update_stored_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """A later chunk of a prompt stored chunk by chunk: its dense attention reads the earlier chunks as the
-        selector stored them (dequantized, for this forward only) and the chunk itself; the selector takes the
-        chunk once it has attended (`prompt_chunk_attended`)."""
-        b, h, new, d = key_states.shape
-        needed = self.length + new
-        self.keys = key_states.new_empty(b, h, needed, d)
-        self.values = value_states.new_empty(b, h, needed, d)
-        self.selector.read_stored_into(self.keys[..., : self.length, :], self.values[..., : self.length, :])
-        self.keys[..., self.length :, :] = key_states
-        self.values[..., self.length :, :] = value_states
-        self.length, self.new_tokens = needed, new
+        """A later chunk of a prompt stored chunk by chunk: held as `stored_prompt_chunk` while it attends densely
+        over the earlier chunks as the selector stored them, one sequence at a time (`stored_prompt_row`);
+        attention is handed a stand-in. The selector takes the chunk once it has attended
+        (`prompt_chunk_attended`)."""
+        self.stored_prompt_chunk = (key_states, value_states)
+        self.length, self.new_tokens = self.length + key_states.shape[-2], key_states.shape[-2]
+        self.keys = self.values = self._stand_in(self.length)
         return self.keys, self.values
+
+    def stored_prompt_row(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V [1, Hkv, length, d] of batch row `row` while a chunk of a stored prompt attends: the earlier
+        chunks dequantized by the selector, then the chunk itself."""
+        chunk_keys, chunk_values = self.stored_prompt_chunk
+        _, h, new, d = chunk_keys.shape
+        before = self.length - new
+        keys = chunk_keys.new_empty(1, h, self.length, d)
+        values = chunk_values.new_empty(1, h, self.length, d)
+        self.selector.read_stored_into(keys[..., :before, :], values[..., :before, :], row=row)
+        keys[..., before:, :] = chunk_keys[row : row + 1]
+        values[..., before:, :] = chunk_values[row : row + 1]
+        return keys, values
 
     def _update_fixed_shape(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """One token written at the device position: no host value changes, so a CUDA graph can replay it. The
@@ -236,9 +247,9 @@ class SparseLayer(DynamicLayer):
         prompt is held until it ends (`finish_prompt`)."""
         queries = self.prompt_queries(query)
         if self.prompt_stored:
-            new = self.new_tokens
-            self.selector.store_prompt_chunk(key[..., -new:, :], value[..., -new:, :], query)
-            self.keys = self.values = self._stand_in(self.length)  # the dequantized earlier chunks go now
+            chunk_keys, chunk_values = self.stored_prompt_chunk
+            self.stored_prompt_chunk = None
+            self.selector.store_prompt_chunk(chunk_keys, chunk_values, query)
             if ends:
                 self.selector.close_prompt(queries)
                 self._close_prompt(self.length)

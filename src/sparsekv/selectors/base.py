@@ -566,7 +566,8 @@ class TokenSelector:
     # a `stores_kv` method may store a prompt that arrives in chunks chunk by chunk, so that the whole prompt never
     # lies in the cache at 16-bit: `opens_prompt` says when the chunks held so far suffice, `open_prompt` takes
     # them, `store_prompt_chunk` each later one, `close_prompt` the end; later chunks attend over
-    # `read_stored_into`. The default holds the whole prompt and stores it when it ends (`prefill`).
+    # `read_stored_into` (one sequence at a time: the dequantized earlier chunks never exist for the whole batch).
+    # The default holds the whole prompt and stores it when it ends (`prefill`).
 
     def opens_prompt(self, held: int, key_mask: torch.Tensor | None) -> bool:
         """Whether to start storing a chunked prompt with the `held` tokens cached so far (key_mask [B, held])."""
@@ -583,7 +584,7 @@ class TokenSelector:
     def close_prompt(self, query: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def read_stored_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def read_stored_into(self, keys: torch.Tensor, values: torch.Tensor, row: int | None = None) -> None:
         raise NotImplementedError
 
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:

@@ -281,9 +281,10 @@ class SelfIndexSelector(TokenSelector):
         gather = index[..., None].expand(-1, -1, -1, keys.shape[-1])
         self.kv.set_sinks(chosen, rank, keys.gather(2, gather), values.gather(2, gather))
 
-    def read_stored_into(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """The tokens stored so far, dequantized, as the model gave them, into keys / values [B, Hkv, N, d]."""
-        self.kv.read_all_into(keys, values)
+    def read_stored_into(self, keys: torch.Tensor, values: torch.Tensor, row: int | None = None) -> None:
+        """The tokens stored so far, dequantized, as the model gave them, into keys / values [B, Hkv, N, d] (of
+        batch row `row` only, [1, Hkv, N, d], when given)."""
+        (self.kv if row is None else self.kv.row(row)).read_all_into(keys, values)
 
     def _add_sink_candidates(self, keys, values, query, key_mask, first: int) -> None:
         """A chunk's own sink candidates: the tokens its last queries attend most (`snap_sinks` over the chunk),

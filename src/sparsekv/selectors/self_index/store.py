@@ -16,6 +16,8 @@ the query's own residual block from their 16-bit copies); `kernel_view` hands th
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -123,6 +125,12 @@ class _Buffers:
 
     def nbytes(self) -> dict[str, int]:
         return {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
+
+    def row(self, index: int) -> _Buffers:
+        """Views of one sequence's rows (batch row `index`), as a [1, ...] _Buffers of the same length."""
+        view = copy.copy(self)
+        view.tensors = {name: t[index : index + 1] for name, t in self.tensors.items()}
+        return view
 
 
 class CompressedStore:
@@ -508,7 +516,17 @@ class CompressedStore:
         )
         return keys, self._with_copies(indices, positions, values, "v")
 
-    def read_all_into(self, keys: torch.Tensor, values: torch.Tensor, slice_tokens: int = 8192) -> None:
+    def row(self, index: int) -> CompressedStore:
+        """A read-only view of one sequence (batch row `index`): every per-sequence tensor sliced to [1, ...]."""
+        view = copy.copy(self)
+        for buffers in ("rows", "tail", "k_blocks"):
+            setattr(view, buffers, getattr(self, buffers).row(index))
+        for name in ("mu", "alpha", "centroids", "sink_positions", "sink_rank", "sink_keys", "sink_values"):
+            value = getattr(self, name)
+            setattr(view, name, None if value is None else value[index : index + 1])
+        return view
+
+    def read_all_into(self, keys: torch.Tensor, values: torch.Tensor, slice_tokens: int = 4096) -> None:
         """Every stored token's K and V as the model gave them (un-rotated, mu added back; compressed rows
         dequantized, sinks and the last token's residual block from their 16-bit copies) written into keys /
         values [B, Hkv, N, d] (N = the tokens stored), `slice_tokens` at a time so that the work-dtype
