@@ -256,7 +256,7 @@ class SelfIndexSelector(TokenSelector):
         """The first chunks of a prompt (keys / values [B, Hkv, N, d], its last queries, key_mask [B, N]):
         the statistics from them, their rows compressed (room for `capacity` rows at once: the later chunks are
         not copied into ever larger buffers); no sinks until the prompt ends (`close_prompt`)."""
-        self.kv.rows.reserve = capacity
+        self.kv.reserve(capacity)
         self.kv.prefill(keys, values, key_mask, None)
         self._prefilled = True
         self._sink_pool = []

@@ -374,6 +374,11 @@ class CompressedStore:
 
     # --- fixed-shape decoding ---------------------------------------------------------------------------------
 
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` tokens is made once, at the next write, with `begin_fixed`'s slack: neither later
+        appends nor fixed-shape decoding up to that length copy the rows into larger buffers."""
+        self.rows.reserve = capacity + (self.k_group if self.channel_axis else 0) if capacity else 0
+
     def begin_fixed(self, capacity: int) -> None:
         """Fixed-shape decoding up to `capacity` tokens: every buffer gets its room once, views show all of it
         (unwritten rows are zeros, masked by the step's visibility), and `append_fixed` writes at a device
