@@ -8,6 +8,8 @@ prefill, then put first in every selection, at most `sink_share` of a query's bu
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -85,23 +87,36 @@ def snap_sinks(
     return positions, rank.gather(-1, order)
 
 
-def boost_sinks(
-    scores: torch.Tensor, budgets: torch.Tensor, positions: torch.Tensor, rank: torch.Tensor, share: float
-) -> torch.Tensor:
-    """Puts the sinks (positions / rank [B, Hkv, S] of `snap_sinks`) first in scores [B, heads, Q, N], best SnapKV
-    rank first; a row forces at most share x its budget of them (budgets [B, Q]; the others keep their LUT score),
-    so short contexts keep room for the query's own top-k. In place."""
-    heads = scores.shape[1]
+@dataclass(frozen=True)
+class SinkBoost:
+    """What `boost_sinks` needs of the sinks for scores of `heads` rows over `keys` keys: fixed from the prefill
+    on, so a decode loop makes it once (`sink_boost`) instead of at every step."""
+
+    positions: torch.Tensor  # [B, heads, S] int64, SENTINEL = unused
+    rank: torch.Tensor  # [B, heads, S] int64
+    boost: torch.Tensor  # [B, heads, S] the score each sink is given
+    index: torch.Tensor  # [B, heads, S] positions clamped into the scores
+
+
+def sink_boost(positions: torch.Tensor, rank: torch.Tensor, heads: int, keys: int, dtype: torch.dtype) -> SinkBoost:
+    """positions / rank [B, Hkv, S] of `snap_sinks`, for scores [B, heads, Q, keys] of `dtype`."""
     rep = heads // positions.shape[1]
     positions = positions.long().repeat_interleave(rep, dim=1)
     rank = rank.long().repeat_interleave(rep, dim=1)
+    boost = (SINK_BASE + (positions.shape[-1] - rank)).to(dtype)
+    return SinkBoost(positions, rank, boost, positions.clamp(max=keys - 1))
+
+
+def boost_sinks(scores: torch.Tensor, budgets: torch.Tensor, sinks: SinkBoost, share: float) -> torch.Tensor:
+    """Puts the sinks (`sink_boost`) first in scores [B, heads, Q, N], best SnapKV rank first; a row forces at most
+    share x its budget of them (budgets [B, Q]; the others keep their LUT score), so short contexts keep room for
+    the query's own top-k. In place."""
     cap = torch.floor(budgets.to(torch.float64) * share).long()  # [B, Q]
-    used = (positions < SENTINEL)[:, :, None] & (rank[:, :, None] < cap[:, None, :, None])  # [B, S, Q, K]
-    boost = (SINK_BASE + (positions.shape[-1] - rank)).to(scores.dtype)
-    index = positions.clamp(max=scores.shape[-1] - 1)[:, :, None].expand(-1, -1, scores.shape[2], -1)
+    used = (sinks.positions < SENTINEL)[:, :, None] & (sinks.rank[:, :, None] < cap[:, None, :, None])  # [B,S,Q,K]
+    index = sinks.index[:, :, None].expand(-1, -1, scores.shape[2], -1)
     current = scores.gather(-1, index)
     # in place: the scores are this step's own tensor (a copy of [B, H, Q, N] costs more than the LUT)
-    return scores.scatter_(-1, index, torch.where(used, boost[:, :, None].expand_as(current), current))
+    return scores.scatter_(-1, index, torch.where(used, sinks.boost[:, :, None].expand_as(current), current))
 
 
 def rank_sink_pool(

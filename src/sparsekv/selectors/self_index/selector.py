@@ -21,6 +21,7 @@ from sparsekv.selectors.self_index.scoring import (
     boost_sinks,
     lut_scores,
     rank_sink_pool,
+    sink_boost,
     snap_sinks,
 )
 from sparsekv.selectors.self_index.store import (
@@ -183,6 +184,8 @@ class SelfIndexSelector(TokenSelector):
             k_rotate=self.k_rotate,
         )  # fmt: skip
         self._prefilled = False
+        #: what `_per_prompt` remembers: name -> (key, value)
+        self._derived: dict[str, tuple[tuple, object]] = {}
         #: a prompt stored chunk by chunk (`open_prompt`): each chunk's sink candidates, (keys, values, positions)
         self._sink_pool: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # (query, query R) of the last step
@@ -311,11 +314,21 @@ class SelfIndexSelector(TokenSelector):
         """[B, Hkv, N, G] uint8 sign-pattern codes of every cached token (decoded from the stored sign bits)."""
         return codes_from_sign_bits(self.kv.rows.view("sign_bits"), self.layer.head_dim)
 
+    def _per_prompt(self, name: str, key: tuple, make):
+        """`make()`, remembered while `key` (tensors compared by identity, then values) stays the same: what
+        a decode loop would otherwise rebuild at every step from state fixed since the prefill."""
+        held = self._derived.get(name)
+        if held is None or not all(map(_same, held[0], key)):
+            held = self._derived[name] = (key, make())
+        return held[1]
+
     def score(self, step: DecodeStep) -> torch.Tensor:
         layer, centroids = step.layer, self.kv.centroids
         if step.gqa == "group" and step.query.dtype != torch.float64:
             # the kernels' op (group-summed, Triton on CUDA) indexes centroids by the raw nibble of the packed bits
-            by_nibble = centroids.index_select(3, bitrev4(centroids.device).long())
+            by_nibble = self._per_prompt(
+                "by_nibble", (centroids,), lambda: centroids.index_select(3, bitrev4(centroids.device).long())
+            )
             scores = kernel_lut_scores(step.query, by_nibble, self.kv.rows.view("sign_bits"))
         else:
             work = torch.float64 if centroids.dtype == torch.float64 else torch.float32
@@ -325,10 +338,12 @@ class SelfIndexSelector(TokenSelector):
                 query = query.view(b, layer.num_kv_heads, layer.group_size, q, d).sum(2)
             scores = lut_scores(query, centroids.to(work), self.codes())
         scores = scores.float()
-        if self.kv.sink_positions is not None:
-            scores = boost_sinks(
-                scores, step.budgets, self.kv.sink_positions, self.kv.sink_rank, self.sink_share
-            )
+        kv = self.kv
+        if kv.sink_positions is not None:
+            heads, keys = scores.shape[1], scores.shape[-1]
+            sinks = self._per_prompt("sinks", (kv.sink_positions, heads, keys),
+                                     lambda: sink_boost(kv.sink_positions, kv.sink_rank, heads, keys, scores.dtype))  # fmt: skip
+            scores = boost_sinks(scores, step.budgets, sinks, self.sink_share)
         return scores
 
     def select(self, step: DecodeStep) -> Selection:
@@ -498,6 +513,11 @@ def _fixed_rerank(first, fine, index, keep, budgets, k_max: int, min_budget: int
     second = torch.where(first >= SINK_BASE, first, fine).masked_fill(~keep, float("-inf"))
     values, pick = second.topk(k_max, dim=-1, sorted=False)
     return index.gather(-1, pick), _best_within(values, budgets, min_budget)
+
+
+def _same(a, b) -> bool:
+    """Tensors are the same state when they are the same object (held, so never a reused id); others by value."""
+    return a is b if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) else a == b
 
 
 def _device_rule(scores: torch.Tensor) -> bool:
