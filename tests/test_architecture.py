@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("cli.py", "cli_*.py", "*/cli.py")),
     ("tools", ("eval/", "bench/", "training/")),
     ("api", ("__init__.py", "api.py", "lossless.py")),
-    ("decode", ("cache.py", "attention.py", "graph_decode.py")),
+    ("decode", ("cache.py", "stats.py", "attention.py", "graph_decode.py")),
     ("methods", ("selectors/", "pruners/", "prefill/")),
     ("kernels", ("kernels/",)),
     ("platform", ("models.py", "assets.py", "hf_compat.py", "fingerprint.py")),

@@ -8,7 +8,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.pruners.base import Pruner
 from sparsekv.registry import get_method_class, get_top_p_pruner
-from sparsekv.selectors.base import LayerInfo, Selection, TokenSelector, tensor_nbytes
+from sparsekv.selectors.base import LayerInfo, TokenSelector, tensor_nbytes
+from sparsekv.stats import BudgetStats
 
 #: projections whose output holds a layer's keys (plain or fused): a colwise TP rule on one shards the heads
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")
@@ -317,140 +318,6 @@ class SparseLayer(DynamicLayer):
         )
 
     reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
-
-
-def _visible_rows(visible: torch.Tensor, heads: int) -> torch.Tensor:
-    """visible [B, Q, N] -> the visible count of every selection row [B * heads * Q], in `Selection` order."""
-    return visible.sum(-1)[:, None].expand(-1, heads, -1).flatten()
-
-
-class BudgetStats:
-    """Tokens attended per (query, selection head) row of the sparse layers' decode steps.
-
-    On CPU every record lands in `kept_counts` / `visible_counts` at once. Device records stay on the device
-    until the counts are read (no host sync inside the decode step, so a step can be captured in a CUDA graph).
-    Fixed-shape steps (a CUDA graph replays them without running Python) add to per-layer sums on the device
-    instead: `summary` covers both kinds of record, `layer_counts` only the per-row ones.
-
-    Under tensor parallelism (`shards` > 1) each rank records its own heads' rows; `layer_sums` and `summary` add
-    up every rank's (a collective: every rank of the process group must call them).
-    """
-
-    def __init__(self, num_layers: int, shards: int = 1) -> None:
-        self.num_layers = num_layers
-        self.shards = shards
-        self._kept: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self._seen: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        #: [layers, 4] float64 on the device: sum of kept, sum of visible, sum of kept / visible, rows
-        self._sums: torch.Tensor | None = None
-        self._host_sums = torch.zeros(num_layers, 4, dtype=torch.float64)  # `add_host`, same columns
-
-    def record(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
-        """selection counts [B, S, Q]; visible [B, Q, N]."""
-        self._append_counts(layer_idx, selection.counts().flatten(), _visible_rows(visible, selection.indices.shape[1]))
-
-    def record_all_visible(self, layer_idx: int, visible: torch.Tensor, heads: int) -> None:
-        """`record` for a step whose rows attended every visible token (the dense fallback); visible [B, Q, N]."""
-        seen = _visible_rows(visible, heads)
-        self._append_counts(layer_idx, seen, seen)
-
-    def _append_counts(self, layer_idx: int, kept: torch.Tensor, seen: torch.Tensor) -> None:
-        """Per-row (kept, visible) counts of one eager step: kept on the CPU at once, device ones read later (the
-        step itself never syncs)."""
-        kept, seen = kept.to(torch.int32), seen.to(torch.int32)
-        if kept.device.type == "cpu":
-            self._kept[layer_idx].append(kept)
-            self._seen[layer_idx].append(seen)
-        else:
-            self._pending.append((layer_idx, kept, seen))
-
-    def prepare_sums(self, device: torch.device) -> None:
-        """Allocates the device sums (outside any CUDA graph capture, so every replay adds to the same tensor)."""
-        if self._sums is None or self._sums.device != device:
-            self._sums = torch.zeros(self.num_layers, 4, dtype=torch.float64, device=device)
-
-    def add(self, layer_idx: int, selection: Selection, per_kept: torch.Tensor, fixed: torch.Tensor) -> None:
-        """`record` for fixed-shape steps, in place on the device sums: the layer's kept tokens summed over its
-        rows, times `per_kept` ([1, 0, 1 / visible, 0]: every row of such a step sees the same tokens), plus
-        `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
-        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
-
-    def add_host(self, layer_idx: int, *, kept: float, seen: float, fraction: float, rows: int) -> None:
-        """Sums known on the host (kept, visible, kept / visible over rows, rows) added to a layer's."""
-        self._host_sums[layer_idx] += torch.tensor([kept, seen, fraction, rows], dtype=torch.float64)
-
-    @staticmethod
-    def fixed_step_stats(seen: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add`'s two vectors for a step whose every row sees `seen` tokens (a [1] tensor)."""
-        seen = seen.double().view(1)
-        zero = torch.zeros_like(seen)
-        per_kept = torch.cat([zero + 1, zero, 1 / seen.clamp(min=1), zero])
-        fixed = torch.cat([zero, seen * rows, zero, zero + rows])
-        return per_kept, fixed
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        for layer_idx, kept, seen in pending:
-            self._kept[layer_idx].append(kept.to("cpu"))
-            self._seen[layer_idx].append(seen.to("cpu"))
-
-    @property
-    def kept_counts(self) -> list[list[torch.Tensor]]:
-        self._flush()
-        return self._kept
-
-    @property
-    def visible_counts(self) -> list[list[torch.Tensor]]:
-        self._flush()
-        return self._seen
-
-    def layer_counts(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(kept, visible) per recorded row of one layer, as flat int tensors."""
-        kept, seen = self.kept_counts[layer_idx], self.visible_counts[layer_idx]
-        if not kept:
-            return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
-        return torch.cat(kept), torch.cat(seen)
-
-    def layer_sums(self) -> torch.Tensor:
-        """[layers, 4] float64 on the CPU: kept, visible, kept / visible summed over every record, and rows."""
-        sums = self._host_sums.clone()
-        if self._sums is not None:
-            sums += self._sums.cpu()
-        for i in range(self.num_layers):
-            kept, seen = (t.double() for t in self.layer_counts(i))
-            sums[i] += torch.stack([kept.sum(), seen.sum(), (kept / seen.clamp(min=1)).sum(), torch.tensor(kept.numel())])
-        if self.shards > 1 and torch.distributed.is_initialized():
-            sums = _sum_over_ranks(sums)
-        return sums
-
-    def summary(self) -> dict:
-        """Mean tokens attended per query row and selection head over the sparse layers' decode steps."""
-        sums = self.layer_sums()
-        rows = sums[:, 3]
-        if not bool((rows > 0).any()):
-            return {
-                "avg_budget_tokens": None,
-                "avg_context_tokens": None,
-                "avg_budget_fraction": None,
-                "per_layer_avg_tokens": {},
-            }
-        total = sums.sum(0)
-        return {
-            "avg_budget_tokens": float(total[0] / total[3]),
-            "avg_context_tokens": float(total[1] / total[3]),
-            "avg_budget_fraction": float(total[2] / total[3]),
-            "per_layer_avg_tokens": {i: float(sums[i, 0] / rows[i]) for i in range(self.num_layers) if rows[i] > 0},
-        }
-
-
-def _sum_over_ranks(sums: torch.Tensor) -> torch.Tensor:
-    """`sums` added up over the process group's ranks (on the rank's GPU where the backend is NCCL)."""
-    nccl = torch.distributed.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else sums.device
-    total = sums.to(device)
-    torch.distributed.all_reduce(total)
-    return total.cpu()
 
 
 class SparseCache(Cache):

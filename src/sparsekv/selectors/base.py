@@ -563,11 +563,10 @@ class TokenSelector:
         the cached length as its K/V (`SparseLayer._stand_in`)."""
         raise NotImplementedError
 
-    # a `stores_kv` method may store a prompt that arrives in chunks chunk by chunk, so that the whole prompt never
-    # lies in the cache at 16-bit: `opens_prompt` says when the chunks held so far suffice, `open_prompt` takes
-    # them, `store_prompt_chunk` each later one, `close_prompt` the end; later chunks attend over
-    # `read_stored_into` (one sequence at a time: the dequantized earlier chunks never exist for the whole batch).
-    # The default holds the whole prompt and stores it when it ends (`prefill`).
+    # a `stores_kv` method may store a chunked prompt chunk by chunk (never the whole prompt at 16-bit): `opens_prompt`
+    # says when the chunks held so far suffice, `open_prompt` takes them, `store_prompt_chunk` each later one,
+    # `close_prompt` the end; later chunks attend over `read_stored_into`, one sequence at a time. The default
+    # holds the whole prompt and stores it when it ends (`prefill`).
 
     def opens_prompt(self, held: int, key_mask: torch.Tensor | None) -> bool:
         """Whether to start storing a chunked prompt with the `held` tokens cached so far (key_mask [B, held])."""

@@ -32,6 +32,7 @@ from sparsekv.kernels.compressed_format import (
 )
 from sparsekv.kernels.compressed_kv import CompressedKV
 from sparsekv.selectors.base import tensor_nbytes
+from sparsekv.selectors.self_index.buffers import RowBuffers
 from sparsekv.selectors.self_index.codes import one_pass_centroids, sign_codes
 from sparsekv.selectors.self_index.rotation import rotation_base, rotation_signs
 
@@ -69,70 +70,6 @@ def maybe_compiled(fn, compiled: bool):
     return COMPILED[fn]
 
 
-class _Buffers:
-    """Named [B, H, capacity, c] tensors grown together along dim 2 by a fixed step (64 tokens: the slack stays
-    small next to 4K+ tokens and appending stays cheap), to at least `reserve` rows (a length known ahead: no
-    growth, and no copy, until it is reached)."""
-
-    def __init__(self, reserve: int = 0, step: int = 64) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.length = 0
-        self.reserve, self.step = reserve, step
-        self.fixed_rows: int | None = None
-
-    def append(self, **new: torch.Tensor) -> None:
-        count = next(iter(new.values())).shape[2]
-        needed = self.length + count
-        for name, value in new.items():
-            buf = self.tensors.get(name)
-            if buf is None or buf.shape[2] < needed:
-                capacity = max(needed, self.reserve) if buf is None else max(needed + self.step, self.reserve)
-                grown = value.new_empty(*value.shape[:2], capacity, *value.shape[3:])
-                if buf is not None:
-                    grown[:, :, : self.length] = buf[:, :, : self.length]
-                self.tensors[name] = grown
-            self.tensors[name][:, :, self.length : needed] = value
-        self.length = needed
-
-    @property
-    def view_length(self) -> int:
-        """Rows a view shows: the tokens held, or the whole capacity during fixed-shape decoding (`fix`)."""
-        return self.length if self.fixed_rows is None else self.fixed_rows
-
-    def view(self, name: str) -> torch.Tensor:
-        return self.tensors[name][:, :, : self.view_length]
-
-    def fix(self, rows: int, slack: int = 0) -> None:
-        """Fixed-shape decoding: room for `rows` rows plus `slack` rows past them (writes of whole blocks that
-        may reach past the last row), zeros past the held ones, and views of all `rows` rows until `unfix`."""
-        for name, buf in self.tensors.items():
-            if buf.shape[2] < rows + slack:
-                grown = buf.new_zeros(*buf.shape[:2], rows + slack, *buf.shape[3:])
-                grown[:, :, : self.length] = buf[:, :, : self.length]
-                self.tensors[name] = grown
-            else:
-                buf[:, :, self.length :].zero_()
-        self.fixed_rows = rows
-
-    def write(self, rows: torch.Tensor, **new: torch.Tensor) -> None:
-        """Writes new[name] [B, H, T, c] at the device row indices `rows` [T] (no host count changes)."""
-        for name, value in new.items():
-            self.tensors[name].index_copy_(2, rows, value)
-
-    def unfix(self, length: int) -> None:
-        """Fixed-shape decoding ended with rows [0, length) written."""
-        self.fixed_rows, self.length = None, length
-
-    def nbytes(self) -> dict[str, int]:
-        return {name: t.numel() * t.element_size() for name, t in self.tensors.items()}
-
-    def row(self, index: int) -> _Buffers:
-        """Views of one sequence's rows (batch row `index`), as a [1, ...] _Buffers of the same length."""
-        view = copy.copy(self)
-        view.tensors = {name: t[index : index + 1] for name, t in self.tensors.items()}
-        return view
-
-
 class CompressedStore:
     """One layer's self-index K/V. The format options are `SelfIndexSelector`'s, already resolved (k_bits > 0,
     k_axis "token" or "channel", group sizes that divide head_dim)."""
@@ -150,13 +87,13 @@ class CompressedStore:
         )
         self.k_zero, self.v_clip, self.residual, self.fp_dtype = k_zero, v_clip, residual, fp_dtype
         self.v_rotate, self.k_rotate = v_rotate, k_rotate
-        self.rows = _Buffers()  # sign bits (+ quantized K/V, or full K/V when kv_bits=16)
-        self.tail = _Buffers(reserve=residual, step=residual)  # 16-bit copy of the current block(s)
+        self.rows = RowBuffers()  # sign bits (+ quantized K/V, or full K/V when kv_bits=16)
+        self.tail = RowBuffers(reserve=residual, step=residual)  # 16-bit copy of the current block(s)
         self.tail_start = 0
         self.decode_start = 0
         # k_axis="channel": one fp16 scale row [d] per block of k_group tokens; blocks end at the prompt's end and
         # then every k_group decode tokens, so token t is in block row (t + k_pad) // k_group
-        self.k_blocks = _Buffers(step=8)
+        self.k_blocks = RowBuffers(step=8)
         self.k_pad = 0
         self.k_done = 0  # tokens [0, k_done) have their compressed |K|; later ones are read from the tail
         self.mu = self.alpha = self.centroids = None
@@ -280,7 +217,7 @@ class CompressedStore:
         if block == self.tail_start:
             return
         held = {name: self.tail.view(name)[:, :, block - self.tail_start :].clone() for name in ("k", "v")}
-        self.tail = _Buffers(reserve=self.residual, step=self.residual)
+        self.tail = RowBuffers(reserve=self.residual, step=self.residual)
         self.tail.append(**held)
         self.tail_start = block
 
@@ -320,7 +257,7 @@ class CompressedStore:
         if block > self.tail_start:
             kept = self.tail.length - (block - self.tail_start)
             old = {name: self.tail.view(name)[:, :, -kept:] if kept > 0 else None for name in ("k", "v")}
-            self.tail = _Buffers(reserve=self.residual, step=self.residual)
+            self.tail = RowBuffers(reserve=self.residual, step=self.residual)
             if old["k"] is not None:
                 self.tail.append(k=old["k"], v=old["v"])
             self.tail_start = block
@@ -450,7 +387,7 @@ class CompressedStore:
             block = max(self.tail_start, self.decode_start + (last - self.decode_start) // self.residual * self.residual)
             held = {name: self.tail.tensors[name][:, :, block - self.tail_start : length - self.tail_start].clone()
                     for name in ("k", "v")}  # fmt: skip
-            self.tail = _Buffers(reserve=self.residual, step=self.residual)
+            self.tail = RowBuffers(reserve=self.residual, step=self.residual)
             self.tail.append(**held)
             self.tail_start = block
 
@@ -476,7 +413,7 @@ class CompressedStore:
         rep = heads // self.num_kv_heads
         return t.repeat_interleave(rep, dim=1) if rep > 1 else t
 
-    def _gather(self, buffers: _Buffers, name: str, indices: torch.Tensor) -> torch.Tensor:
+    def _gather(self, buffers: RowBuffers, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows `indices` [B, S, Q, K] of buffers[name] [B, Hkv, N, c] (S = kv heads or query heads) ->
         [B, S, Q, K, c]."""
         b, s, q, k = indices.shape
