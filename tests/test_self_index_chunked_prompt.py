@@ -144,3 +144,26 @@ def test_a_batch_chunk_attends_row_by_row_as_the_batch_would(tiny):
     _, logits, _ = generate(tiny, SparseConfig(method="dense"), ids, mask, prefill_chunk_size=CHUNK)
     _, plain_logits, _ = generate(tiny, None, ids, mask, prefill_chunk_size=CHUNK)
     torch.testing.assert_close(logits, plain_logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"k_axis": "token", "k_zero": True},
+        {"residual": 0, "k_axis": "token"},
+        {"sink_tokens": 0},
+        {"kv_bits": 4},
+        {"v_rotate": False, "k_rotate": False},
+    ],
+)
+def test_every_layout_stores_a_chunked_prompt(tiny, options):
+    """Each stored layout takes a chunked prompt: the prompt's first-token logits stay near plain transformers'
+    chunked ones, and the decode that follows is finite."""
+    ids = random_ids(tiny, 2, PROMPT, seed=6)
+    tokens, logits, cache = generate(tiny, config(**options), ids, prefill_chunk_size=CHUNK)
+    _, dense_logits, _ = generate(tiny, None, ids, prefill_chunk_size=CHUNK)
+    assert torch.isfinite(logits).all() and tokens.shape == (2, 6)
+    assert (logits[:, 0] - dense_logits[:, 0]).abs().max() < 0.1 * dense_logits[:, 0].abs().max()
+    store = cache.layers[1].selector.kv
+    assert store.decode_start == STATS and store.rows.length == PROMPT + 5
+    assert (store.sink_positions is None) == (options.get("sink_tokens", 32) == 0)
