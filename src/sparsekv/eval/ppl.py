@@ -99,8 +99,9 @@ def run_ppl(
     """Perplexity of `config` over the windows of `text` (default: the embedded Paul Graham essays)."""
     settings.check()
     data = TextWindows(handle, text, text_name, settings.context, settings.windows, settings.start)
-    # the chunk size changes the speed, not the result: it is not part of the key
-    shape = {k: v for k, v in settings.__dict__.items() if k != "chunk"}
+    # the chunk size changes the speed, not the result: it is not part of the key; a prefix in one forward keeps
+    # the key it had before chunked prefixes existed (cells cached then stay valid)
+    shape = {k: v for k, v in settings.__dict__.items() if k != "chunk" and not (k == "prefill_chunk" and v is None)}
     configs = [config]
     if with_dense and config.method != "dense":
         configs.append(SparseConfig(method="dense"))
