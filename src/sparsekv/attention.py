@@ -180,19 +180,7 @@ def _stored_prompt_attention(module, query, layer, attention_mask, dropout, scal
     """A chunk of a prompt that a compressing selector stores chunk by chunk attends densely over the earlier
     chunks as stored, one sequence at a time (`SparseLayer.stored_prompt_row`): their dequantized K/V exist for one
     row at a time, not for the batch."""
-    rows = []
-    for row in range(query.shape[0]):
-        keys, values = layer.stored_prompt_row(row)
-        out, _ = sdpa_attention_forward(module, query[row : row + 1], keys, values, _row_mask(attention_mask, row),
-                                        dropout, scaling, **kwargs)  # fmt: skip
-        rows.append(out)
-    return torch.cat(rows), None
-
-
-def _row_mask(attention_mask: torch.Tensor | None, row: int) -> torch.Tensor | None:
-    if attention_mask is None or attention_mask.shape[0] == 1:  # shared by every row
-        return attention_mask
-    return attention_mask[row : row + 1]
+    return _row_by_row(module, query, layer.stored_prompt_row, attention_mask, dropout, scaling, **kwargs)
 
 
 def _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
@@ -203,11 +191,23 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
     batch, _, queries, _ = query.shape
     if batch == 1 or attention_mask is None or queries == 1 or key.shape[2] == queries:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+    def row_kv(row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return key[row : row + 1], value[row : row + 1]
+
+    return _row_by_row(module, query, row_kv, attention_mask, dropout, scaling, **kwargs)
+
+
+def _row_by_row(module, query, row_kv, attention_mask, dropout, scaling, **kwargs):
+    """SDPA of each batch row alone: row_kv(row) -> its K/V [1, Hkv, N, d]; a mask shared by every row (batch
+    dim 1) serves each."""
     rows = []
     for row in range(query.shape[0]):
-        out, _ = sdpa_attention_forward(module, query[row : row + 1], key[row : row + 1], value[row : row + 1],
-                                        _row_mask(attention_mask, row), dropout, scaling, **kwargs)  # fmt: skip
-        rows.append(out)
+        keys, values = row_kv(row)
+        shared = attention_mask is None or attention_mask.shape[0] == 1
+        mask = attention_mask if shared else attention_mask[row : row + 1]
+        rows.append(sdpa_attention_forward(module, query[row : row + 1], keys, values, mask, dropout, scaling,
+                                           **kwargs)[0])  # fmt: skip
     return torch.cat(rows), None
 
 

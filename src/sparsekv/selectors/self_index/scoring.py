@@ -77,14 +77,23 @@ def snap_sinks(
     votes = weights.sum(2).view(b, hkv, hq // hkv, n).sum(2)  # [B, Hkv, N]
     votes = F.avg_pool1d(votes, SNAP_KERNEL, stride=1, padding=SNAP_KERNEL // 2, count_include_pad=True)
     votes = votes.masked_fill(~mask[:, None], float("-inf"))
-    k_top = min(count, n)
+    positions, rank, _ = _most_voted(votes, None, count)
+    return positions, rank
+
+
+def _most_voted(
+    votes: torch.Tensor, positions: torch.Tensor | None, count: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `count` most voted of votes [B, Hkv, P] (-inf: never chosen), whose positions are `positions` [B, Hkv, P]
+    (None: their index) -> (positions [B, Hkv, count] sorted ascending, unused slots = SENTINEL; rank, 0 = most
+    voted; index into P), all in the same order."""
+    k_top = min(count, votes.shape[-1])
     top = votes.sort(dim=-1, descending=True, stable=True)
-    chosen, chosen_votes = top.indices[..., :k_top], top.values[..., :k_top]
-    used = chosen_votes > float("-inf")
-    rank = torch.arange(k_top, device=keys.device).expand_as(chosen)
-    positions = torch.where(used, chosen, torch.full_like(chosen, SENTINEL))
-    positions, order = positions.sort(dim=-1)
-    return positions, rank.gather(-1, order)
+    chosen, used = top.indices[..., :k_top], top.values[..., :k_top] > float("-inf")
+    rank = torch.arange(k_top, device=votes.device).expand_as(chosen)
+    chosen_pos = chosen if positions is None else positions.long().gather(-1, chosen)
+    chosen_pos, order = torch.where(used, chosen_pos, torch.full_like(chosen, SENTINEL)).sort(dim=-1)
+    return chosen_pos, rank.gather(-1, order), chosen.gather(-1, order)
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,7 @@ def boost_sinks(scores: torch.Tensor, budgets: torch.Tensor, sinks: SinkBoost, s
 
 def rank_sink_pool(
     keys: torch.Tensor, positions: torch.Tensor, query: torch.Tensor, count: int, scaling: float, length: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sinks of a prompt stored chunk by chunk: each chunk put forward its own `snap_sinks` candidates (keys
     [B, Hkv, P, d], absolute positions [B, Hkv, P], SENTINEL = no candidate); the prompt's last SNAP_WINDOW queries
     (query [B, Hq, >=W, d], at positions length - W .. length - 1, all real: the prompt held at least its
@@ -143,11 +152,4 @@ def rank_sink_pool(
     logits = (torch.matmul(q, k.transpose(-1, -2)) * scaling).masked_fill(~allowed, float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     votes = weights.sum(2).view(b, hkv, hq // hkv, pool).sum(2)
-    votes = votes.masked_fill(positions.long() >= SENTINEL, float("-inf"))
-    k_top = min(count, pool)
-    top = votes.sort(dim=-1, descending=True, stable=True)
-    chosen, used = top.indices[..., :k_top], top.values[..., :k_top] > float("-inf")
-    rank = torch.arange(k_top, device=keys.device).expand_as(chosen)
-    chosen_pos = torch.where(used, positions.long().gather(-1, chosen), torch.full_like(chosen, SENTINEL))
-    chosen_pos, order = chosen_pos.sort(dim=-1)
-    return chosen_pos, rank.gather(-1, order), chosen.gather(-1, order)
+    return _most_voted(votes.masked_fill(positions.long() >= SENTINEL, float("-inf")), positions, count)

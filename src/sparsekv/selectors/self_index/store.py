@@ -210,13 +210,15 @@ class CompressedStore:
     def trim_tail(self) -> None:
         """Drops the 16-bit copies of the blocks before the last token's (an `append` of many tokens keeps them
         all until the next one): after a prompt chunk, the tail holds one residual block, as after a decode step."""
-        if not self.compressed or self.residual <= 0 or self.tail.length == 0:
-            return
-        last = self.rows.length - 1
+        if self.compressed and self.residual > 0 and self.tail.length > 0:
+            self._keep_last_block(self.rows.length)
+
+    def _keep_last_block(self, length: int) -> None:
+        """The tail keeps the residual block of token `length` - 1 only, as `append` leaves it."""
+        last = length - 1
         block = max(self.tail_start, self.decode_start + (last - self.decode_start) // self.residual * self.residual)
-        if block == self.tail_start:
-            return
-        held = {name: self.tail.view(name)[:, :, block - self.tail_start :].clone() for name in ("k", "v")}
+        held = {name: self.tail.tensors[name][:, :, block - self.tail_start : length - self.tail_start].clone()
+                for name in ("k", "v")}  # fmt: skip
         self.tail = RowBuffers(reserve=self.residual, step=self.residual)
         self.tail.append(**held)
         self.tail_start = block
@@ -382,14 +384,7 @@ class CompressedStore:
             self.k_done = self.decode_start + (length - self.decode_start) // self.k_group * self.k_group
             self.k_blocks.unfix((self.k_done + self.k_pad) // self.k_group)
         if self.compressed and self.residual > 0:
-            # the tail keeps the residual block of the last token, as `append` leaves it
-            last = length - 1
-            block = max(self.tail_start, self.decode_start + (last - self.decode_start) // self.residual * self.residual)
-            held = {name: self.tail.tensors[name][:, :, block - self.tail_start : length - self.tail_start].clone()
-                    for name in ("k", "v")}  # fmt: skip
-            self.tail = RowBuffers(reserve=self.residual, step=self.residual)
-            self.tail.append(**held)
-            self.tail_start = block
+            self._keep_last_block(length)
 
     def query_positions(self, q_len: int, device: torch.device) -> torch.Tensor:
         """[Q] positions of a step's queries: the last `q_len` tokens, or the device position of a fixed-shape
