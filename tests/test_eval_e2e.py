@@ -187,3 +187,17 @@ def test_result_json_records_the_options_a_method_ran_with():
     lsh = config_dict(SparseConfig(method="lsh", budget=0.1, options={"bits": 256}))
     assert lsh["effective_options"]["bits"] == 256 and lsh["effective_options"]["variant"] == "simhash"
     json.dumps(config_dict(SparseConfig(method="self-index", budget=0.1)))  # JSON-able as written
+
+
+def test_a_chunked_prefix_is_its_own_cached_cell(tiny, text, tmp_path):
+    """`--prefill-chunk-size` can change a compressing method's numbers: its cells are cached apart from the
+    one-forward ones, and the payload says which it was."""
+    from sparsekv.eval.ppl import PplSettings, run_ppl
+
+    config, cache = SparseConfig(method="self-index", budget=0.5), ResultCache(tmp_path)
+    whole = run_ppl(tiny, config, PplSettings(context=120, prefix=60, chunk=64), text=text[:3000], cache=cache)
+    chunked = run_ppl(tiny, config, PplSettings(context=120, prefix=60, chunk=64, prefill_chunk=16),
+                      text=text[:3000], cache=cache)  # fmt: skip
+    assert len(list(tmp_path.rglob("*.json"))) == 2
+    assert whole["prefill_chunk"] is None and chunked["prefill_chunk"] == 16
+    assert math.isfinite(whole["ppl"]) and math.isfinite(chunked["ppl"])
