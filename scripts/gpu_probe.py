@@ -97,6 +97,7 @@ def self_index_probe():
     from sparsekv.kernels import _compressed_kv_triton as ckv
     from sparsekv.kernels import _lut_triton as lt
     from sparsekv.kernels.compressed_kv import CompressedKV
+    from sparsekv.kernels.lut_score import quantized_lut
 
     def rand_bytes(*shape):
         return torch.randint(0, 256, shape, device=dev, dtype=torch.uint8, generator=gen)
@@ -136,14 +137,12 @@ def self_index_probe():
             print(f"{name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
 
     old = dict(lt.LUT_TUNE)
-    ref = report("lut default", lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits))
-    for tile, tiles, warps, table in (
-        (256, 8, 4, torch.float32), (128, 8, 4, torch.float32), (256, 8, 8, torch.float32),
-        (256, 32, 4, torch.float32), (64, 16, 2, torch.float32), (256, 8, 4, torch.float16),
-    ):  # fmt: skip
-        lt.LUT_TUNE.update(tile=tile, tiles=tiles, num_warps=warps, table=table)
-        report(f"lut tile {tile} x {tiles} warps {warps} {table}",
-               lambda i: lt.lut_scores_triton(q, cent, kvs[i].sign_bits), ref)  # fmt: skip
+    table, step = quantized_lut(q, cent)
+    ref = report("lut default", lambda i: lt.lut_scores_triton(table, step, kvs[i].sign_bits))
+    for tile, tiles, warps in ((256, 8, 4), (128, 8, 4), (256, 8, 8), (256, 32, 4), (64, 16, 2)):
+        lt.LUT_TUNE.update(tile=tile, tiles=tiles, num_warps=warps)
+        report(f"lut tile {tile} x {tiles} warps {warps}",
+               lambda i: lt.lut_scores_triton(table, step, kvs[i].sign_bits), ref)  # fmt: skip
     lt.LUT_TUNE.clear()
     lt.LUT_TUNE.update(old)
 

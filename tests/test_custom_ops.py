@@ -131,11 +131,38 @@ def _int32_words(shape, gen) -> torch.Tensor:
     return torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).to(torch.int32)
 
 
+def _lut_tables(gen, q: int = 3):
+    from sparsekv.kernels.lut_score import quantized_lut
+
+    return quantized_lut(torch.randn(2, 6, q, 40, generator=gen), torch.randn(2, 2, 10, 16, 4, generator=gen))
+
+
 def _lut_scores():
     gen = _gen(5)
-    query = torch.randn(2, 6, 3, 40, generator=gen)
-    centroids = torch.randn(2, 2, 10, 16, 4, generator=gen)
-    return [(query, centroids, _int32_words((2, 2, 37, 2), gen))]
+    table, step = _lut_tables(gen)
+    return [(table, step, _int32_words((2, 2, 37, 2), gen))]
+
+
+def _lut_topk_fixed():
+    gen = _gen(13)
+    table, _ = _lut_tables(gen, q=1)
+    codes = _int32_words((2, 2, 37, 2), gen)
+    codes[:, :, 20:] = codes[:, :, :1]  # equal scores
+    forced = torch.tensor([[[4, 2**31 - 1, 30], [9, 2, 2**31 - 1]]] * 2)
+    return [
+        (table, codes, 9, torch.tensor([23]), forced, 2, 3),
+        (table, codes, 9, torch.tensor([37]), forced[..., :1], 0, 0),
+        (table, codes, 30, torch.tensor([5]), forced, 1, 2),  # more picks than written slots: empty ones come in
+    ]
+
+
+def _select_within():
+    gen = _gen(14)
+    values = torch.randn(2, 3, 1, 40, generator=gen)
+    values[0, 0, 0, :6] = float("-inf")
+    values[1, :, :, 10:20] = 0.25  # equal values
+    budgets = torch.tensor([[[12], [0], [40]], [[5], [9], [11]]])
+    return [(values, budgets, 16), (values, budgets, 45), (values.double(), budgets, 1)]
 
 
 def _compressed_kv_fields(gen, channel_axis: bool) -> tuple:
@@ -207,6 +234,8 @@ SAMPLES = {
     "int4_qk": _int4_qk,
     "quest_page_scores": _quest_page_scores,
     "lut_scores": _lut_scores,
+    "lut_topk_fixed": _lut_topk_fixed,
+    "select_within": _select_within,
     "compressed_key_scores": _compressed_key_scores,
     "compressed_attention": _compressed_attention,
 }

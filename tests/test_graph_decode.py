@@ -302,6 +302,27 @@ def test_self_index_fixed_shape_device_rule_keeps_the_eager_set(monkeypatch, opt
     assert calls and all(shape[-1] == 75 for shape in calls)  # the whole buffer (capacity 75)
 
 
+@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"residual": 8, "k_group": 4, "sink_tokens": 4},
+                                     {"sink_tokens": 8, "sink_share": 0.5}])
+@pytest.mark.parametrize("gqa", ["group", "head"])
+def test_self_index_fused_first_stage_keeps_the_eager_set(monkeypatch, options, gqa):
+    """On CUDA a fixed-shape self-index step scores, forces and picks its candidates in one op (`lut_topk_fixed`);
+    here that op's reference runs in its place: the same tokens as the CPU rule, sinks that only some budgets force
+    included (sink_share 0.5 of a 15-token budget: 7 of 8). gqa="head" with 2 heads per kv head keeps the CPU
+    rule (the op sums a group's queries)."""
+    from sparsekv.kernels import lut_score
+    from sparsekv.selectors.self_index import selector
+
+    calls = []
+    monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
+    real = lut_score._lut_topk_fixed_op
+    monkeypatch.setattr(selector, "lut_topk_fixed", lambda *a, **k: calls.append(a[2]) or lut_score.lut_topk_fixed(*a, **k))
+    test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("self-index", options, gqa,
+                                                                                 sink=2, local=3)  # fmt: skip
+    assert real is lut_score._lut_topk_fixed_op
+    assert bool(calls) == (gqa == "group")
+
+
 def test_best_within_keeps_each_rows_budget_of_its_best_values():
     from sparsekv.selectors.self_index.selector import _best_within
 

@@ -217,13 +217,13 @@ def test_scoring_kernels_split_rows(small_grid, monkeypatch):
     for reduce in ("sum", "none"):
         _same(small_grid(quest, *args, group_reduce=reduce), quest(*args, group_reduce=reduce))
 
+    from sparsekv.kernels.lut_score import quantized_lut
+
     lut = _mod("_lut_triton")
-    args = [torch.randn(2, 4, 3, 64, generator=gen), torch.randn(2, 2, 16, 16, 4, generator=gen)]
-    args = [t.to(DEV) for t in (*args, pack_sign_bits(torch.randn(2, 2, 301, 64, generator=gen)))]
-    for mode in ("pairs", "nibble"):
-        monkeypatch.setitem(lut.LUT_TUNE, "mode", mode)
-        monkeypatch.setitem(lut.LUT_TUNE, "tile", 64)
-        _same(small_grid(lut.lut_scores_triton, *args), lut.lut_scores_triton(*args))
+    table = quantized_lut(torch.randn(2, 4, 3, 64, generator=gen), torch.randn(2, 2, 16, 16, 4, generator=gen))
+    args = [t.to(DEV) for t in (*table, pack_sign_bits(torch.randn(2, 2, 301, 64, generator=gen)))]
+    monkeypatch.setitem(lut.LUT_TUNE, "tile", 64)
+    _same(small_grid(lut.lut_scores_triton, *args), lut.lut_scores_triton(*args))
 
 
 @here

@@ -173,7 +173,7 @@ def test_quest_reference():
 
 
 def test_lut_reference():
-    from sparsekv.kernels.lut_score import lut_scores_reference
+    from sparsekv.kernels.lut_score import lut_scores_reference, quantized_lut
 
     g = torch.Generator().manual_seed(8)
     d, n = 64, 30
@@ -181,7 +181,8 @@ def test_lut_reference():
     centroids = torch.randn(1, 2, d // 4, 16, 4, generator=g)
     codes = pack_sign_bits(keys)
     query = torch.randn(1, 4, 2, d, generator=g)
-    out = lut_scores_reference(query, centroids, codes)
+    table, step = quantized_lut(query, centroids)
+    out = lut_scores_reference(table, step, codes)
     # naive: each group's pattern picks a centroid; score = sum over the group's query heads of q . centroid
     bitsv = (keys > 0).long().reshape(1, 2, n, d // 4, 4)
     pat = (bitsv * torch.tensor([1, 2, 4, 8])).sum(-1)
@@ -195,7 +196,9 @@ def test_lut_reference():
         .reshape(1, 2, n, d)
     )
     naive = torch.einsum("bhqd,bhnd->bhqn", query.reshape(1, 2, 2, 2, d).sum(2), approx)
-    assert torch.allclose(out, naive, atol=1e-4)
+    # the table is quantized: each of the d/4 groups' entries rounds by at most half a step
+    assert bool(((out - naive).abs() <= (d // 4) * 0.5 * step[..., None] + 1e-5).all())
+    assert float((out - naive).abs().max()) < 1e-2 * float(naive.abs().max())
 
 
 @pytest.mark.parametrize(("bits", "group"), [(100, 3), (128, 4), (1024, 1), (33, 2)])
@@ -225,3 +228,14 @@ def test_sparse_attention_rejects_bad_tickets(tickets, match):
         sparse_attention(query, keys, keys, indices, None, 0.3, tickets=tickets)
     assert sparse_attention(query, keys, keys, indices, None, 0.3, tickets=torch.zeros(4, dtype=torch.int32)).shape \
         == query.shape  # fmt: skip
+
+
+def test_select_within_reference_keeps_each_rows_budget_in_index_order():
+    from sparsekv.kernels.select_within import select_within_reference
+
+    values = torch.tensor([[0.1, 0.9, float("-inf"), 0.5, 0.5, 0.7], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    index, valid = select_within_reference(values, torch.tensor([3, 2]), 4)
+    assert index.tolist() == [[1, 3, 5, 0], [0, 1, 0, 0]]  # 0.5 twice: the lower index; ties to the first
+    assert valid.tolist() == [[True, True, True, False], [True, True, False, False]]
+    index, valid = select_within_reference(values, torch.tensor([9, 0]), 8)  # past the finite values, k past C
+    assert index[0, :5].tolist() == [0, 1, 3, 4, 5] and valid.sum(-1).tolist() == [5, 0]

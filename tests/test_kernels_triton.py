@@ -530,26 +530,69 @@ def test_top_p_triton(impl, k):
 
 
 @here
-@pytest.mark.parametrize("mode", ["pairs_gather", "pairs", "nibble"])
-def test_lut_triton(impl, mode):
+def test_lut_triton(impl):
     from sparsekv.kernels.bits import pack_sign_bits
-    from sparsekv.kernels.lut_score import lut_scores_reference
+    from sparsekv.kernels.lut_score import lut_scores_reference, quantized_lut
 
     lut = _mod("_lut_triton")
     old = dict(lut.LUT_TUNE)
     gen = torch.Generator().manual_seed(24)
     try:
-        lut.LUT_TUNE.update(mode=mode, tile=64, tiles=3)  # 301 keys: one full program, one ragged
+        lut.LUT_TUNE.update(tile=64, tiles=3)  # 301 keys: one full program, one ragged
         for d, n in ((64, 301), (48, 77), (128, 193)):
-            keys = torch.randn(1, 2, n, d, generator=gen)
-            cent = torch.randn(1, 2, d // 4, 16, 4, generator=gen)
-            codes = pack_sign_bits(keys)
-            query = torch.randn(1, 4, 2, d, generator=gen)
-            ref = lut_scores_reference(query, cent, codes)
-            out = lut.lut_scores_triton(*(t.to(DEV) for t in (query, cent, codes))).cpu()
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-3)
+            codes = pack_sign_bits(torch.randn(1, 2, n, d, generator=gen))
+            table, step = quantized_lut(torch.randn(1, 4, 2, d, generator=gen),
+                                        torch.randn(1, 2, d // 4, 16, 4, generator=gen))  # fmt: skip
+            out = lut.lut_scores_triton(*(t.to(DEV) for t in (table, step, codes))).cpu()
+            assert torch.equal(out, lut_scores_reference(table, step, codes))  # integer sums x the same step
     finally:
         lut.LUT_TUNE.update(old)
+
+
+@here
+@pytest.mark.parametrize("d,n,k,block", [(128, 1000, 77, 128), (64, 301, 30, 128), (48, 77, 76, 128),
+                                         (128, 9000, 500, 512), (128, 20000, 400, 512)])  # fmt: skip
+def test_lut_topk_fixed_triton(impl, d, n, k, block):
+    """The fused first stage: ranks and picks equal the reference's, with sinks / local / listed forced keys, a
+    listed position past `written` (not forced), many equal scores (repeated codes) and rows not a multiple of
+    the tiles."""
+    from sparsekv.kernels.bits import pack_sign_bits
+    from sparsekv.kernels.lut_score import SENTINEL, lut_topk_fixed_reference, quantized_lut
+
+    lut = _mod("_lut_triton")
+    gen = torch.Generator().manual_seed(n)
+    b, hkv = 2, 2
+    codes = pack_sign_bits(torch.randn(b, hkv, n, d, generator=gen))
+    codes[:, :, n // 2 :] = codes[:, :, : n - n // 2]
+    table, _ = quantized_lut(torch.randn(b, 4, 1, d, generator=gen), torch.randn(b, hkv, d // 4, 16, 4, generator=gen))
+    written = torch.tensor([n - 13])
+    forced = torch.tensor([n - 100, SENTINEL, 5, n - 2, 6]).expand(b, hkv, 5).contiguous()
+    for sink, local in ((0, 0), (2, 3)):
+        want = lut_topk_fixed_reference(table, codes, k, written, forced, sink=sink, local=local)
+        got = lut.lut_topk_fixed_triton(*(t.to(DEV) for t in (table, codes)), k, written.to(DEV), forced.to(DEV),
+                                        sink=sink, local=local)  # fmt: skip
+        _assert_same("lut_topk_fixed", [t.cpu() for t in got], want)
+
+
+@here
+@pytest.mark.parametrize("rows,c,k", [(5, 300, 100), (3, 7863, 2621), (4, 50, 60), (2, 33, 33)])
+def test_select_within_triton(rows, c, k):
+    """Each row's budget of its best values: -inf never kept, equal values to the lower index, budgets of 0, of
+    more than k and of more than the finite values, k above the row length; the indices ascending, compacted."""
+    from sparsekv.kernels.select_within import select_within_reference
+
+    impl = _mod("_select_within_triton")
+    gen = torch.Generator().manual_seed(c)
+    values = torch.randn(rows, c, generator=gen)
+    values[0, :10] = float("-inf")
+    values[1, 20:40] = 0.5
+    values[:, 5] = 0.5
+    budgets = torch.randint(0, k + 5, (rows,), generator=gen)
+    budgets[0] = k
+    budgets[-1] = 0 if rows > 2 else budgets[-1]
+    got = impl.select_within_triton(values.to(DEV), budgets.to(DEV), k)
+    want = select_within_reference(values, budgets, k)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
 
 
 @here
@@ -686,7 +729,8 @@ def _fresh(args, device):
 
 def _assert_same(name, got, want):
     if isinstance(want, (tuple, list)):
-        if name == "hamming_topk_fixed":  # (indices, scores): the same (index, score) pairs
+        if name in ("hamming_topk_fixed", "lut_topk_fixed"):  # (indices, scores): the same (index, score) pairs
+            got = [t.cpu() for t in got]
             order_got, order_want = got[0].sort(-1), want[0].sort(-1)
             assert torch.equal(order_got.values, order_want.values)
             assert torch.equal(got[1].gather(-1, order_got.indices), want[1].gather(-1, order_want.indices))
@@ -710,7 +754,8 @@ def _assert_same(name, got, want):
 @here
 @pytest.mark.parametrize("name", ["sparse_attention", "hamming_scores", "hamming_topk", "hamming_topk_fixed",
                                   "select_topk", "top_p_threshold", "sign_hash", "sign_hash_pair", "int4_qk",
-                                  "quest_page_scores", "lut_scores", "compressed_key_scores",
+                                  "quest_page_scores", "lut_scores", "lut_topk_fixed", "select_within",
+                                  "compressed_key_scores",
                                   "compressed_attention"])  # fmt: skip
 def test_cuda_implementation_of_every_op_equals_its_reference(name):
     """Each op's CUDA implementation — the Triton kernel behind its launch conditions, what a GPU runs — against

@@ -148,6 +148,7 @@ def run_kernels(
     fs = None  # free the memory before the next section
     # --- the other scorers (Quest pages, Twilight INT4 estimate + top-p, self-index LUT)
     from sparsekv.kernels import _int4_triton, _lut_triton, _quest_triton, _top_p_triton
+    from sparsekv.kernels.lut_score import SENTINEL, quantized_lut
 
     pages = n // 16
     qb = [torch.randn(batch, hq, 1, d, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(2)]
@@ -183,9 +184,17 @@ def run_kernels(
     wts = None
     lcodes = [rnd_codes(batch, hkv, n, d // 32) for _ in range(2)]
     cent = torch.randn(batch, hkv, d // 4, 16, 4, device=dev, generator=gen)
+    lut_tables = [quantized_lut(qb[i], cent) for i in range(2)]
     out.append(Row("lut_scores (self-index)", f"B{batch} Hkv{hkv} N{n} d{d}",
-                   graph_us(lambda i: _lut_triton.lut_scores_triton(qb[i], cent, lcodes[i]), 2),
+                   graph_us(lambda i: _lut_triton.lut_scores_triton(*lut_tables[i], lcodes[i]), 2),
                    rows_kv * n * (d // 8 + 4)))  # fmt: skip
+    # the self-index step's first stage: 3 x the budget's candidates, 32 sinks listed
+    wide, written = 3 * k, torch.tensor([n], device=dev)
+    sinks = torch.full((batch, hkv, 32), SENTINEL, device=dev)
+    out.append(Row("lut_topk_fixed (score + select)", f"B{batch} Hkv{hkv} N{n} d{d}, k={wide}",
+                   graph_us(lambda i: _lut_triton.lut_topk_fixed_triton(lut_tables[i][0], lcodes[i], wide, written,
+                                                                        sinks, local=64), 2),
+                   rows_kv * n * (d // 8 + 2)))  # fmt: skip
     lcodes = qb = None
     # --- attention
     dt = torch.bfloat16

@@ -14,6 +14,9 @@ function of each module checks its arguments and calls the op. SPARSEKV_DISABLE_
     int4_qk.quantize_int4(keys) -> (packed u8, scale, zero);  int4_qk.int4_qk(q, packed, scale, zero, idx) -> fp32
     quest.quest_page_scores(q, page_min, page_max, *, group_reduce="sum") -> fp32[B,Hkv,Q,P]
     lut_score.lut_scores(q, centroids[B,Hkv,d/4,16,4], sign_codes[B,Hkv,N,d/32]) -> fp32[B,Hkv,Q,N]
+        (the table quantized per row: exact integer sums x the row's step)
+    lut_score.lut_topk_fixed(table, sign_codes, k, written, forced, *, sink, local) -> (int64[B,Hkv,1,k], ranks)
+        (fixed-shape steps: scoring, forced keys and the first radix histogram in one pass, then the select)
     sign_hash.sign_hash(x, w1, w2=None, b1=None, wr=None, b2=None) -> int32 codes   (linear or MLP hash + packing)
     sign_hash.sign_hash_pair(q, new_keys, key_out, key_mean, key_scale, query_scale, w1, ...) -> query codes
         (a decode step's queries and new keys in one launch; the keys' codes are written into key_out)

@@ -9,7 +9,9 @@ from typing import ClassVar
 import torch
 
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.kernels.lut_score import LUT_SCORE_RANK_MAX, MAX_LISTED, lut_topk_fixed, quantized_lut
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
+from sparsekv.kernels.select_within import select_within
 from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, _force, to_selection_heads
 from sparsekv.selectors.self_index import device
@@ -322,14 +324,18 @@ class SelfIndexSelector(TokenSelector):
             held = self._derived[name] = (key, make())
         return held[1]
 
+    def _by_nibble(self) -> torch.Tensor:
+        """The centroids indexed by the raw nibble of the packed sign bits, as the kernels' ops read them."""
+        centroids = self.kv.centroids
+        return self._per_prompt(
+            "by_nibble", (centroids,), lambda: centroids.index_select(3, bitrev4(centroids.device).long())
+        )
+
     def score(self, step: DecodeStep) -> torch.Tensor:
         layer, centroids = step.layer, self.kv.centroids
         if step.gqa == "group" and step.query.dtype != torch.float64:
-            # the kernels' op (group-summed, Triton on CUDA) indexes centroids by the raw nibble of the packed bits
-            by_nibble = self._per_prompt(
-                "by_nibble", (centroids,), lambda: centroids.index_select(3, bitrev4(centroids.device).long())
-            )
-            scores = kernel_lut_scores(step.query, by_nibble, self.kv.rows.view("sign_bits"))
+            # the kernels' op (group-summed, its table quantized, Triton on CUDA)
+            scores = kernel_lut_scores(step.query, self._by_nibble(), self.kv.rows.view("sign_bits"))
         else:
             work = torch.float64 if centroids.dtype == torch.float64 else torch.float32
             query = step.query.to(work)
@@ -350,8 +356,10 @@ class SelfIndexSelector(TokenSelector):
         """Top-budget by LUT score with sinks first; a stable sort breaks ties by position, so a row's selection
         does not depend on the other rows or on the row length (chunked == token-by-token)."""
         step = self._rotated_query(step)
-        scores = to_selection_heads(self.score(step), step).float()
         k_max = step.max_budget()
+        if step.hints is not None and step.hints.fixed and self._fuses(step):
+            return self._select_fused(step, k_max)
+        scores = to_selection_heads(self.score(step), step).float()
         if step.uniform and scores.device.type != "cpu":
             # every key visible, forced keys are two index ranges: set in place, no [B, H, Q, N] masks
             forced = _force(scores, step.hints.sink, step.hints.local, float("inf"))
@@ -404,6 +412,64 @@ class SelfIndexSelector(TokenSelector):
         rerank = maybe_compiled(_fixed_rerank, self.compiled_step)
         indices, valid = rerank(first, fine, index, keep, budgets, k_max, min_budget)
         return Selection(indices=indices, valid=valid)
+
+    def _fuses(self, step: DecodeStep) -> bool:
+        """Whether a fixed-shape step takes the fused first stage (`_select_fused`): GQA "group" rows (or one query
+        head per kv head), not float64, one query per row, fewer kept than cached keys, at most MAX_LISTED sinks, on
+        the kernels' device."""
+        kv = self.kv
+        return (
+            (step.gqa == "group" or step.layer.group_size == 1)
+            and kv.centroids is not None
+            and torch.float64 not in (kv.centroids.dtype, step.query.dtype)
+            and step.query.shape[2] == 1
+            and step.hints.max_budget < kv.rows.view("sign_bits").shape[2]
+            and (kv.sink_positions is None or kv.sink_positions.shape[-1] <= MAX_LISTED)
+            and _fused_rule(step.query)
+        )
+
+    def _select_fused(self, step: DecodeStep, k_max: int) -> Selection:
+        """A fixed-shape step's selection with the first stage in one op (`kernels.lut_score.lut_topk_fixed`):
+        the LUT scores of the whole buffer, the forced keys (sinks, sink/local hints) and the unwritten slots
+        ranked in the same pass, and the rescore x k_max best picked by the sort-free histogram select. Then each
+        row's own rescore x budget of them (`kernels.select_within`: ties to the lower position, the CPU rule's
+        stable sort), the re-rank by q . K over those candidates only, and each row's budget of them. The same set
+        as the CPU rule, whose scores are the same quantized LUT's."""
+        hints = step.hints
+        sign_bits = self.kv.rows.view("sign_bits")
+        b, hkv = sign_bits.shape[:2]
+        budgets = step.budgets[:, None, :].expand(b, hkv, 1).contiguous()  # [B, Hkv, 1] each row's own
+        table, _ = quantized_lut(step.query, self._by_nibble())
+        wide = min(sign_bits.shape[2], self.rescore * k_max) if self.rescore > 0 else k_max
+        picked, ranks = lut_topk_fixed(table, sign_bits, wide, hints.written, self._forced_sinks(step),
+                                       sink=hints.sink, local=hints.local)  # fmt: skip
+        # equal ranks come out of the select in position order, so the lower index is the lower position
+        first = torch.where(ranks > 0, ranks.float(), float("-inf"))
+        if self.rescore == 0:
+            pick, valid = select_within(first, budgets, k_max)
+            return Selection(indices=picked.gather(-1, pick), valid=valid)
+        pick, keep = select_within(first, self.rescore * budgets, wide)
+        candidates, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
+        fine = self._candidate_scores(step, candidates)
+        # forced candidates keep their first-stage order above every re-ranked one (as the CPU rule's sink boosts)
+        second = torch.where(ranks > LUT_SCORE_RANK_MAX, SINK_BASE + ranks.float(), fine)
+        pick, valid = select_within(second.masked_fill(~keep, float("-inf")), budgets, k_max)
+        return Selection(indices=candidates.gather(-1, pick), valid=valid)
+
+    def _forced_sinks(self, step: DecodeStep) -> torch.Tensor | None:
+        """[B, Hkv, S] positions of the sinks that this step's rows force, best SnapKV rank first (`boost_sinks`:
+        the best share x budget of them; SENTINEL = not forced), or None without sinks. Where every row's budget forces
+        all of them, the prompt's positions themselves (no per-step work)."""
+        kv = self.kv
+        if kv.sink_positions is None:
+            return None
+        by_rank = self._per_prompt("sinks_by_rank", (kv.sink_positions,),
+                                   lambda: kv.sink_positions.long().gather(-1, kv.sink_rank.long().argsort(-1)))  # fmt: skip
+        count = by_rank.shape[-1]
+        if step.hints.min_budget is not None and int(step.hints.min_budget * self.sink_share) >= count:
+            return by_rank
+        cap = torch.floor(step.budgets.to(torch.float64) * self.sink_share).long()  # [B, Q=1]
+        return torch.where(torch.arange(count, device=cap.device) < cap[:, :, None], by_rank, SENTINEL)
 
     def _rescored(self, step: DecodeStep, scores: torch.Tensor, k_max: int) -> torch.Tensor:
         """Second stage: the LUT's best `rescore` x budget tokens of each row are re-ranked by q . K read from the
@@ -524,6 +590,14 @@ def _device_rule(scores: torch.Tensor) -> bool:
     """Whether a fixed-shape step selects with the device rule (`_select_fixed_device`): off the CPU, which ranks
     whole rows with a stable sort instead (tests substitute the device rule there)."""
     return scores.device.type != "cpu"
+
+
+def _fused_rule(query: torch.Tensor) -> bool:
+    """Whether a fixed-shape step takes `_select_fused`: where the fused op runs its kernel (tests substitute it
+    on CPU, where the op runs its reference)."""
+    from sparsekv.kernels._triton import use_triton
+
+    return query.device.type != "cpu" and use_triton(query)
 
 
 def _best_within(values: torch.Tensor, budgets: torch.Tensor, min_budget: int) -> torch.Tensor:
