@@ -11,10 +11,13 @@ variant's output against the default's or a reference). Sections (comma-separate
 - sweep, scoregrid: the Hamming scorer + selection launch grid (scorer tile, prefetch depth, GQA head adders,
   programs per SM, selection tile and warps; `_hamming_triton.TUNE`, `_topk_triton.SELECT_TUNE`).
 - plain: the scorer without a histogram (int32 scores): tile, programs per SM, prefetch, head adders.
+- lutselect: self-index's fixed-shape first stage at 128K and 32K x B4 (`lut_topk_fixed`: tile / warps /
+  programs per SM, against `lut_scores` + torch.topk) and `select_within` (warps, against torch.topk), each
+  checked against its reference.
 - attnshape: the split-K attention's tile / programs per SM / warps / stages in the whole Spotlight step
   (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
 
-    python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,attnshape]   # on a CUDA machine
+    python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape]   # on a CUDA machine
 """
 
 import sys
@@ -267,6 +270,55 @@ def plain_probe():
 
 if "plain" in SECTIONS:
     plain_probe()
+
+
+def lut_select_shape(n: int, b: int, g: torch.Generator) -> None:
+    from sparsekv.kernels import _lut_triton as lt
+    from sparsekv.kernels import _select_within_triton as sw
+    from sparsekv.kernels.lut_score import lut_topk_fixed_reference, quantized_lut
+    from sparsekv.kernels.select_within import select_within_reference
+
+    hkv, hq, d, k = 8, 32, 128, 3 * int(0.02 * n)
+    codes = [torch.randint(-(2**31), 2**31 - 1, (b, hkv, n, d // 32), device=dev, dtype=torch.int64,
+                           generator=g).to(torch.int32) for _ in range(2)]  # fmt: skip
+    cent = torch.randn(b, hkv, d // 4, 16, 4, device=dev, generator=g)
+    tables = [quantized_lut(torch.randn(b, hq, 1, d, device=dev, generator=g), cent) for _ in range(2)]
+    written, sinks = torch.tensor([n - 5], device=dev), torch.randint(0, n, (b, hkv, 32), device=dev, generator=g)
+    scores = lt.lut_scores_triton(*tables[0], codes[0])
+    old = graph_us(lambda i: lt.lut_scores_triton(*tables[i], codes[i]), 2) + graph_us(
+        lambda i: torch.topk(scores, k, dim=-1, sorted=False), 2)
+    got = lt.lut_topk_fixed_triton(tables[0][0], codes[0], k, written, sinks, local=64)
+    want = lut_topk_fixed_reference(tables[0][0], codes[0], k, written, sinks, local=64)
+    same = torch.equal(got[0].sort(-1).values, want[0].sort(-1).values)
+    print(f"N={n} B{b}, {k} kept: lut_scores + torch.topk {old:.1f} us; lut_topk_fixed equals its reference: {same}")
+    base = dict(lt.SELECT_TUNE)
+    for block, warps, per_sm in ((256, 2, 16), (512, 4, 8), (256, 4, 8), (512, 4, 16), (256, 4, 16)):
+        lt.SELECT_TUNE.update(block=block, num_warps=warps, progs_per_sm=per_sm)
+        t = graph_us(lambda i: lt.lut_topk_fixed_triton(tables[i][0], codes[i], k, written, sinks, local=64), 2)
+        print(f"  lut_topk_fixed tile {block}, {warps} warps, {per_sm} programs/SM: {t:.1f} us")
+    lt.SELECT_TUNE.update(base)
+    second = torch.randn(b, hkv, 1, k, device=dev, generator=g)
+    budgets = torch.full((b, hkv, 1), k // 3, device=dev)
+    got, want = sw.select_within_triton(second, budgets, k // 3), select_within_reference(second, budgets, k // 3)
+    same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    topk = graph_us(lambda i: second.topk(k // 3, dim=-1, sorted=False), 2)
+    print(f"  select_within {k // 3} of {k} equals its reference: {same}; torch.topk {topk:.1f} us")
+    default = sw._warps
+    for warps in (4, 8, 16):
+        sw._warps = lambda candidates, w=warps: w
+        t = graph_us(lambda i: sw.select_within_triton(second, budgets, k // 3), 2)
+        print(f"  select_within, {warps} warps: {t:.1f} us")
+    sw._warps = default
+
+
+def lut_select_probe():
+    g = torch.Generator(device=dev).manual_seed(0)
+    for n, b in ((131072, 4), (32768, 4)):
+        lut_select_shape(n, b, g)
+
+
+if "lutselect" in SECTIONS:
+    lut_select_probe()
 
 
 def pair_probe():

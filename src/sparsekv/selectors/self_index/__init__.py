@@ -60,10 +60,15 @@ Memory: `SelfIndexSelector.memory_breakdown()` and `sparsekv.cache.cache_memory(
 tensors actually held (buffer capacity included), and `sparsekv cache-memory` (`sparsekv.cli_methods`, measured by
 `sparsekv.eval.cache_memory`) prints them per token against a bf16 dense cache.
 
-GQA "group" scoring goes through `kernels.lut_score` (Triton on CUDA); `scoring.lut_scores` is the torch reference
-used for gqa="head" and float64. On CUDA the re-rank and the dequantizing attention run on the kernels
-(`device`, `kernels.compressed_kv`) over the stored bytes; `CompressedStore.read_keys` / `gather_dequantized` are
-the torch path. `kernels.bits.pack_sign_bits` packs the sign bits.
+GQA "group" scoring goes through `kernels.lut_score` (Triton on CUDA): its table is quantized per query row
+(`quantized_lut`: integer entries, every score an exact integer sum within +-16,254 steps), so the CPU rule and the
+kernels rank the same integers; `scoring.lut_scores` is the float reference used for gqa="head" and float64. A
+fixed-shape (captured) decode step on CUDA runs the first stage as one op (`lut_topk_fixed`: scores, sinks and
+local keys forced, unwritten slots, the radix select's first histogram in one pass over the sign bits, then the
+sort-free select) and each row's budgets with `kernels.select_within`; no [B, H, N] tensor is built. On CUDA the
+re-rank and the dequantizing attention run on the kernels (`device`, `kernels.compressed_kv`) over the stored
+bytes; `CompressedStore.read_keys` / `gather_dequantized` are the torch path. `kernels.bits.pack_sign_bits` packs
+the sign bits.
 
 Modules: `codes` (sign codes, codebook), `rotation` (the fixed orthogonal R; its seed is `rotation.V_ROTATE_SEED`), `scoring` (LUT scores, sinks),
 `store` (`CompressedStore`: what a layer holds, its writes and reads, memory), `device` (the kernel path),
