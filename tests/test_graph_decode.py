@@ -129,6 +129,8 @@ def test_compiled_fixed_shape_step_equals_eager():
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
 
 
+@pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
+                    reason="torch's CPU compiler aborts on it before 2.13 (a ConfigError says so: the test below)")
 def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch):
     """`compile_step=True` with self-index: the store's token encoding and open K block, and (with the device rule,
     substituted here on CPU) the selection around the re-rank run through torch.compile; same tokens and stats as
@@ -151,6 +153,19 @@ def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch):
     assert {fn.__name__ for fn in COMPILED} == {"_encode_token", "_open_block", "_fixed_candidates", "_fixed_rerank"}
     stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
+
+
+def test_self_index_compiled_on_an_old_cpu_torch_is_a_clear_error(monkeypatch):
+    """torch 2.11's CPU compiler aborts the process on self-index's compiled token encoding: a ConfigError instead."""
+    from sparsekv.selectors.self_index import store
+
+    monkeypatch.setattr(store.torch, "__version__", "2.11.0+cpu")
+    model = random_model("tiny-llama", dtype=torch.float32, num_hidden_layers=3)
+    ids = torch.randint(3, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    config = SparseConfig(method="self-index", budget=0.2, dense_below=0, options={"residual": 8, "k_group": 4})
+    needs = "compile_step with self-index on CPU needs torch >= 2.13"
+    with sparsekv.enabled(model, config, graph_decode=True, compile_step=True), pytest.raises(ConfigError, match=needs):
+        model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -60,6 +60,20 @@ def quant_group_size(head_dim: int, preferred: int = QUANT_GROUP) -> int:
 COMPILED: dict = {}
 
 
+#: the first torch release whose CPU inductor runs the compiled token encoding: torch 2.11's vectorized C++ kernel
+#: of `_open_block` aborts the process (measured; 2.13 runs it, and 2.11 with vectorization off too)
+CPU_COMPILE_TORCH = (2, 13)
+
+
+def check_compiled_device(device: torch.device) -> None:
+    """A clear error in place of torch's abort: `compile_step` with self-index on CPU needs CPU_COMPILE_TORCH."""
+    if device.type == "cpu" and torch.torch_version.TorchVersion(torch.__version__) < CPU_COMPILE_TORCH:
+        raise ConfigError(
+            f"compile_step with self-index on CPU needs torch >= {'.'.join(map(str, CPU_COMPILE_TORCH))} (torch "
+            f"{torch.__version__}'s CPU compiler aborts on its token encoding); decode without compile_step, or on CUDA"
+        )
+
+
 def maybe_compiled(fn, compiled: bool):
     """`fn`, or its torch.compile version: one per function, shared by every layer (the guards are on shapes and
     flags, which the layers share; a generation's steps all have the same shapes)."""
@@ -337,6 +351,8 @@ class CompressedStore:
         [1]: the same rows as `append` writes, from device values only (a CUDA graph replays it). `compiled`:
         the encoding runs through torch.compile (a few fused kernels instead of dozens of small ones)."""
         self.fixed_position = position
+        if compiled:
+            check_compiled_device(keys.device)
         rows, tail = maybe_compiled(CompressedStore._encode_token, compiled)(self, keys, values)
         self.rows.write(position, **rows)
         if tail:
