@@ -17,6 +17,8 @@ function of each module checks its arguments and calls the op. SPARSEKV_DISABLE_
         (the table quantized per row: exact integer sums x the row's step)
     lut_score.lut_topk_fixed(table, sign_codes, k, written, forced, *, sink, local) -> (int64[B,Hkv,1,k], ranks)
         (fixed-shape steps: scoring, forced keys and the first radix histogram in one pass, then the select)
+    select_within.select_within(values[..., C], budgets[...], k) -> (int64[..., k], bool[..., k])
+        (each row's own budget of its best values, exact, ties to the lower index, indices compacted)
     sign_hash.sign_hash(x, w1, w2=None, b1=None, wr=None, b2=None) -> int32 codes   (linear or MLP hash + packing)
     sign_hash.sign_hash_pair(q, new_keys, key_out, key_mean, key_scale, query_scale, w1, ...) -> query codes
         (a decode step's queries and new keys in one launch; the keys' codes are written into key_out)
