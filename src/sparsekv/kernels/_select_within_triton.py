@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from sparsekv.kernels._tl_utils import pdl_enter
-from sparsekv.kernels._topk_triton import digit_histogram
+from sparsekv.kernels._topk_triton import digit_histogram, sortable_key
 from sparsekv.kernels._triton import check_grid, next_pow2, pdl_launch
 
 
@@ -30,9 +30,7 @@ def _select_within_kernel(v_ptr, b_ptr, idx_ptr, ok_ptr, C, K, sv, so, CP: tl.co
     inside = offs < C
     v = tl.load(v_ptr + r * sv + offs, mask=inside, other=float("-inf")).to(tl.float32)
     valid = inside & (v > float("-inf"))
-    bits = v.to(tl.int32, bitcast=True)
-    bits = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: reverse their magnitude order
-    key = (bits ^ -2147483648).to(tl.uint32, bitcast=True)  # signed -> unsigned order
+    key = sortable_key(v, 0, True)  # uint32 in the values' order
     need = tl.minimum(tl.load(b_ptr + r), K).to(tl.int32)
     need = tl.minimum(need, tl.sum(valid.to(tl.int32), axis=0))
     digits = tl.arange(0, 16)

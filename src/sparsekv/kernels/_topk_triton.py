@@ -35,7 +35,7 @@ MAX_BINS = 1 << 20  # int scores whose range is below this take the radix path (
 
 
 @triton.jit
-def _key(s, lo, IS_FLOAT: tl.constexpr):
+def sortable_key(s, lo, IS_FLOAT: tl.constexpr):
     # uint32 key whose unsigned order is the score order
     if IS_FLOAT:
         b = s.to(tl.float32).to(tl.int32, bitcast=True)
@@ -182,7 +182,7 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
         nxt = tl.load(
             row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
         )
-        h += digit_histogram(_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
+        h += digit_histogram(sortable_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
     out = hist_ptr + ((LEVEL * num_rows + r.to(tl.int64)) * num_chunks + c) * (1 << NBITS)
     tl.store(out + tl.arange(0, 1 << NBITS), h)
 
@@ -274,7 +274,7 @@ def _compact_kernel(
         nxt = tl.load(
             row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
         )
-        key = _key(raw, lo, IS_FLOAT)
+        key = sortable_key(raw, lo, IS_FLOAT)
         m_gt = nmask & (key > thr)
         m_eq = nmask & (key == thr)
         # REVERSE: the scores were stored newest key first; report the keys' own positions
