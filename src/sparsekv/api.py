@@ -20,6 +20,7 @@ from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, check_transforme
 from sparsekv.lossless import (
     Decoder,
     DraftCounts,
+    RowTokens,
     Sampler,
     check_lossless,
     generate_losslessly,
@@ -358,8 +359,7 @@ def generate(
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
     counts = DraftCounts()
-    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode, compile_step=compile_step) as runtime, \
-            contextlib.ExitStack() as graphs:  # fmt: skip
+    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode, compile_step=compile_step) as runtime:
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         capacity = input_ids.shape[1] + max_new_tokens
@@ -369,31 +369,18 @@ def generate(
         prefill_end = time.perf_counter()
         decoder = Decoder(model, cache, attention_mask)
         sampler = Sampler(temperature if do_sample else None, seed, device)
-        finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        generated: list[torch.Tensor] = []
-
-        def emit(token: torch.Tensor) -> bool:
-            """Appends one token per row (EOS after a row's EOS); True when every row has finished."""
-            if eos is not None:
-                token = torch.where(finished, torch.full_like(token, eos), token)
-                finished.logical_or_(token == eos)
-            generated.append(token)
-            return bool(finished.all())
-
-        if not lossless:  # one-token decode steps replay a CUDA graph (lossless rolls back: it decodes eagerly)
-            graphs.enter_context(_forward_through_graphs(model, capacity))
-        done = emit(sampler.draw(logits)[0])
-        while not done and len(generated) < max_new_tokens:
-            if not lossless:
-                done = emit(sampler.draw(decoder(generated[-1][:, None])[:, -1])[0])
-                continue
-            room = max_new_tokens - len(generated)
-            for token in speculate(decoder, sampler, generated[-1], draft_tokens, room, finished, counts):
-                if done := emit(token):
-                    break
+        if lossless:
+            out = RowTokens(len(prompts), max_new_tokens, torch.tensor([] if eos is None else [eos]), device)
+            latest = sampler.draw(logits)[0]
+            out.add(latest[:, None], torch.ones_like(latest))
+            while not out.done:
+                speculate(decoder, sampler, latest, draft_tokens, out, counts)
+                latest = torch.tensor([row[-1] for row in out.rows], device=device)  # finished rows: any token
+            new_ids = out.rows
+        else:
+            new_ids = _decode_steps(model, decoder, sampler, logits, eos, max_new_tokens, capacity)
         _synchronize(device)
         end = time.perf_counter()
-    new_ids = torch.stack(generated, dim=1).tolist()
     trimmed = [ids[: ids.index(eos)] if eos is not None and eos in ids else ids for ids in new_ids]
     stats = cache.stats.summary()
     return GenerationResult(
@@ -405,12 +392,34 @@ def generate(
         avg_budget_fraction=stats["avg_budget_fraction"],
         prefill_seconds=prefill_end - start,
         decode_seconds=end - prefill_end,
-        new_tokens=len(generated),
+        new_tokens=max(len(ids) for ids in new_ids),
         cache_bytes=cache_memory(cache, capacity=False)["bytes_total"],
         acceptance_rate=counts.acceptance_rate if lossless else None,
         tokens_per_verification=counts.tokens_per_verification if lossless else None,
         decode_paths=None if lossless else dict(runtime.graph.steps),
     )
+
+
+def _decode_steps(model, decoder: Decoder, sampler: Sampler, logits: torch.Tensor, eos: int | None, max_new_tokens: int,
+                  capacity: int) -> list[list[int]]:  # fmt: skip
+    """One token per row and step (EOS repeated after a row's EOS) until every row has finished -> each row's
+    tokens; the one-token steps replay a CUDA graph where they can."""
+    finished = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
+    generated: list[torch.Tensor] = []
+
+    def emit(token: torch.Tensor) -> bool:
+        """Appends one token per row; True when every row has finished."""
+        if eos is not None:
+            token = torch.where(finished, torch.full_like(token, eos), token)
+            finished.logical_or_(token == eos)
+        generated.append(token)
+        return bool(finished.all())
+
+    with _forward_through_graphs(model, capacity):
+        done = emit(sampler.draw(logits)[0])
+        while not done and len(generated) < max_new_tokens:
+            done = emit(sampler.draw(decoder(generated[-1][:, None])[:, -1])[0])
+    return torch.stack(generated, dim=1).tolist()
 
 
 def _synchronize(device: torch.device) -> None:

@@ -20,11 +20,12 @@ from sparsekv.registry import get_method_class
 
 @dataclass
 class DraftCounts:
-    """What the verifications of a lossless generation found."""
+    """What the verifications of a lossless generation found (summed over the batch's unfinished rows)."""
 
     drafted: int = 0  # tokens proposed by the sparse steps
     accepted: int = 0  # of those, the ones the dense forward agreed with
     verifications: int = 0  # dense forwards
+    rows_verified: int = 0  # unfinished rows over those forwards: each produced its accepted drafts + one token
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -32,33 +33,47 @@ class DraftCounts:
 
     @property
     def tokens_per_verification(self) -> float | None:
-        """Tokens produced per dense forward: the accepted drafts plus the dense model's own token."""
-        return (self.accepted + self.verifications) / self.verifications if self.verifications else None
+        """Tokens a row gets per dense forward: its accepted drafts plus the dense model's own token."""
+        return (self.accepted + self.rows_verified) / self.rows_verified if self.rows_verified else None
 
 
 class Decoder:
-    """Forwards of new tokens after a left-padded prompt: the attention mask and positions follow the cache's
-    length, so that a rollback (`rewind`) is one call."""
+    """Forwards of new tokens after a left-padded prompt. `mask` [B, cached] marks each row's real tokens: 0 is
+    padding, or the slot of a draft that row rejected while another row accepted its own (`keep`), so that every
+    row advances by its own accepted count. Positions count a row's real tokens, so rotary positions are the
+    ones the row would have without the masked slots; a rollback of the tail (`rewind`) is one call."""
 
     def __init__(self, model, cache: SparseCache, prompt_mask: torch.Tensor) -> None:
-        self.model, self.cache, self.prompt_mask = model, cache, prompt_mask
-        self.last_position = (prompt_mask.sum(-1, keepdim=True) - 1).clamp(min=0)  # [B, 1]
-        self.decoded = 0  # tokens cached after the prompt
+        self.model, self.cache = model, cache
+        self.mask = prompt_mask
+        self.prompt_length = prompt_mask.shape[1]
+
+    @property
+    def decoded(self) -> int:
+        """Slots cached after the prompt (masked ones included)."""
+        return self.mask.shape[1] - self.prompt_length
 
     def __call__(self, tokens: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         """tokens [B, n] -> logits [B, n, V] (or of the last position only)."""
         n = tokens.shape[1]
-        mask = torch.cat([self.prompt_mask, self.prompt_mask.new_ones(len(tokens), self.decoded + n)], dim=-1)
-        offsets = torch.arange(self.decoded + 1, self.decoded + n + 1, device=tokens.device)
-        logits = self.model(input_ids=tokens, attention_mask=mask, position_ids=self.last_position + offsets,
-                            **cache_kwargs(self.model, self.cache), use_cache=True,
-                            logits_to_keep=0 if all_logits else 1).logits  # fmt: skip
-        self.decoded += n
-        return logits
+        offsets = torch.arange(n, device=tokens.device)
+        positions = self.mask.sum(-1, keepdim=True) + offsets  # each row's real tokens so far, then one apiece
+        self.mask = torch.cat([self.mask, self.mask.new_ones(len(tokens), n)], dim=-1)
+        return self.model(input_ids=tokens, attention_mask=self.mask, position_ids=positions,
+                          **cache_kwargs(self.model, self.cache), use_cache=True,
+                          logits_to_keep=0 if all_logits else 1).logits  # fmt: skip
 
     def rewind(self, decoded: int) -> None:
         self.cache.crop(decoded - self.decoded)
-        self.decoded = decoded
+        self.mask = self.mask[:, : self.prompt_length + decoded]
+
+    def keep(self, kept: torch.Tensor, latest: int) -> None:
+        """Of the `latest` cached slots, row i keeps its first kept[i] ([B]); the rest are masked for that row,
+        and the slots no row keeps are rolled back."""
+        most = int(kept.max())
+        self.rewind(self.decoded - latest + most)
+        if most:
+            self.mask[:, -most:] = torch.arange(most, device=kept.device) < kept[:, None]
 
 
 class Sampler:
@@ -90,8 +105,8 @@ class Sampler:
 
 
 def verify(sampler: Sampler, drafts: list[torch.Tensor], draft_probs: list, dense_logits: torch.Tensor):
-    """The dense model's verdict on the drafts: -> (how many each row accepts [B], each row's token after its
-    accepted prefix [B] as a function of the prefix length k kept for the whole batch).
+    """The dense model's verdict on the drafts, row by row: -> (how many drafts each row accepts [B], each row's
+    token after its accepted prefix [B]).
 
     Greedy: a draft stands while it equals the dense argmax. Sampling: the speculative-sampling rule, so every
     emitted token is distributed exactly as the dense model's: draft d with draft probability q(d) is accepted
@@ -102,23 +117,56 @@ def verify(sampler: Sampler, drafts: list[torch.Tensor], draft_probs: list, dens
     if sampler.temperature is None:
         dense = dense_logits.argmax(-1)  # [B, gamma + 1]
         agree = (dense[:, :gamma] == proposed).int().cumprod(-1).sum(-1)
-        return agree, lambda k: dense[:, k]
+        return agree, dense.gather(1, agree[:, None].long())[:, 0]
     p = sampler.probs(dense_logits)  # [B, gamma + 1, V]
     q = torch.stack(draft_probs, dim=1)  # [B, gamma, V]
     p_d = p[:, :gamma].gather(-1, proposed[..., None])[..., 0]
     q_d = q.gather(-1, proposed[..., None])[..., 0]
     accept = sampler.uniform(p_d.shape, p_d.device) * q_d < p_d
-    agree = accept.int().cumprod(-1).sum(-1)
+    agree = accept.int().cumprod(-1).sum(-1).long()
+    rows = torch.arange(len(agree), device=agree.device)
+    p_next = p[rows, agree]  # [B, V]: dense at the first rejected draft, or past the last draft
+    residual = (p_next - q[rows, agree.clamp(max=gamma - 1)]).clamp(min=0)
+    resample = (agree < gamma)[:, None] & (residual.sum(-1, keepdim=True) > 0)
+    return agree, sampler.sample(torch.where(resample, residual, p_next))  # multinomial normalises
 
-    def token_after(k: int) -> torch.Tensor:
-        if k == gamma:
-            return sampler.sample(p[:, gamma])
-        residual = (p[:, k] - q[:, k]).clamp(min=0)
-        empty = residual.sum(-1, keepdim=True) <= 0
-        resampled = sampler.sample(torch.where(empty, p[:, k], residual))  # multinomial normalises
-        return torch.where(agree > k, proposed[:, k], resampled)  # rows that accepted draft k + 1 keep it
 
-    return agree, token_after
+class RowTokens:
+    """Each row's new tokens as the rounds produce them; a row finishes at an `eos` token or at `max_new`."""
+
+    def __init__(self, batch: int, max_new: int, eos: torch.Tensor, device: torch.device) -> None:
+        self.rows: list[list[int]] = [[] for _ in range(batch)]
+        self.max_new = max_new
+        self.eos = set(eos.tolist())
+        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def add(self, tokens: torch.Tensor, counts: torch.Tensor) -> list[list[int]]:
+        """Row i's first counts[i] of tokens [B, n] (finished rows take none) -> the tokens each row took."""
+        taken = []
+        for i, (row, count) in enumerate(zip(tokens.tolist(), counts.tolist())):
+            new: list[int] = []
+            for token in row[:count] if not self.finished[i] else ():
+                new.append(token)
+                if token in self.eos or len(self.rows[i]) + len(new) == self.max_new:
+                    self.finished[i] = True
+                    break
+            self.rows[i].extend(new)
+            taken.append(new)
+        return taken
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finished.all())
+
+    def room(self) -> torch.Tensor:
+        """[B] tokens each row may still take (0 once finished)."""
+        left = [0 if done else self.max_new - len(row) for row, done in zip(self.rows, self.finished.tolist())]
+        return torch.tensor(left, device=self.finished.device)
+
+    def padded(self, pad: int) -> torch.Tensor:
+        """[B, longest row] with `pad` after each row's end."""
+        longest = max(len(row) for row in self.rows)
+        return torch.tensor([row + [pad] * (longest - len(row)) for row in self.rows], device=self.finished.device)
 
 
 def check_lossless(config: SparseConfig, draft_tokens: int) -> None:
@@ -146,30 +194,37 @@ def prefill(model, cache: SparseCache, input_ids: torch.Tensor, attention_mask: 
     ).logits[:, -1]
 
 
-def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_tokens: int, room: int,
-              finished: torch.Tensor, counts: DraftCounts) -> list[torch.Tensor]:  # fmt: skip
-    """One round after token `last` [B]: `draft_tokens` sparse steps propose (at most `room`), one dense forward
-    checks them all, the cache keeps the accepted prefix. -> the round's tokens, each [B] (at most `room`): the
-    drafts the whole batch accepted (its unfinished rows) and the dense model's token after them."""
-    cache = decoder.cache
+def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_tokens: int, out: RowTokens,
+              counts: DraftCounts) -> None:  # fmt: skip
+    """One round after each row's token `last` [B]: up to `draft_tokens` sparse steps propose, one dense forward
+    checks them all, and each unfinished row takes its own accepted drafts and the dense model's token after them
+    (into `out`); the cache keeps, per row, the slots of what that row accepted."""
+    room = out.room()
+    active = room > 0
+    gamma = min(draft_tokens, int(room.max()))
     base = decoder.decoded
-    gamma = min(draft_tokens, room)
     drafts, draft_probs = [last], []
     for _ in range(gamma):  # sparse steps propose
         token, probs = sampler.draw(decoder(drafts[-1][:, None])[:, -1])
         drafts.append(token)
         draft_probs.append(probs)
     decoder.rewind(base)
-    cache.attend_densely = True  # one dense forward checks every proposal at once
+    decoder.cache.attend_densely = True  # one dense forward checks every proposal at once
     try:
         dense_logits = decoder(torch.stack(drafts, dim=1), all_logits=True)  # [B, gamma + 1, V]
     finally:
-        cache.attend_densely = False
-    agree, token_after = verify(sampler, drafts, draft_probs, dense_logits)
-    k = int(agree[~finished].min()) if bool((~finished).any()) else gamma
-    counts.drafted, counts.accepted, counts.verifications = counts.drafted + gamma, counts.accepted + k, counts.verifications + 1
-    decoder.rewind(base + k + 1)  # keep the dense K/V of the last token and the accepted drafts
-    return [*drafts[1 : k + 1], token_after(k)][:room]
+        decoder.cache.attend_densely = False
+    agree, after = verify(sampler, drafts, draft_probs, dense_logits)
+    rows = int(active.sum())
+    counts.drafted += gamma * rows
+    counts.accepted += int(agree[active].sum())
+    counts.verifications += 1
+    counts.rows_verified += rows
+    # a row keeps the dense K/V of its last token and of its accepted drafts; a finished row, its last token only
+    decoder.keep(torch.where(active, agree + 1, 1), gamma + 1)
+    proposed = torch.stack([*drafts[1:], after], dim=1)  # [B, gamma + 1]
+    proposed.scatter_(1, agree[:, None].long(), after[:, None])  # each row's own token right after its prefix
+    out.add(proposed, torch.minimum(agree + 1, room))
 
 
 #: `model.generate()` arguments a lossless generation takes; any other is refused, not ignored
@@ -219,22 +274,19 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int, counts: 
             streamer.put(ids.cpu())
         logits = prefill(model, cache, ids, mask)
         decoder, sampler = Decoder(model, cache, mask), Sampler(None, None, ids.device)
-        finished = torch.zeros(len(ids), dtype=torch.bool, device=ids.device)
-        generated: list[torch.Tensor] = []
-        tokens = [sampler.draw(logits)[0]]
-        while tokens:
-            for token in tokens:
-                token = torch.where(finished, torch.full_like(token, pad), token)
-                generated.append(token)
-                if streamer is not None:
-                    streamer.put(token.cpu())
-                finished |= torch.isin(token, eos)
-                if bool(finished.all()) or len(generated) == max_new:
-                    tokens = []
-                    break
-            else:
-                tokens = speculate(decoder, sampler, generated[-1], draft_tokens, max_new - len(generated),
-                                   finished, counts)  # fmt: skip
+        out = RowTokens(len(ids), max_new, eos, ids.device)
+        latest = sampler.draw(logits)[0]
+        taken = out.add(latest[:, None], torch.ones_like(latest))
+        while True:
+            if streamer is not None and taken[0]:
+                streamer.put(torch.tensor(taken[0]))
+            if out.done:
+                break
+            before = [len(row) for row in out.rows]
+            speculate(decoder, sampler, latest, draft_tokens, out, counts)
+            taken = [row[n:] for row, n in zip(out.rows, before)]
+            # a row's next input is its latest token (finished rows: any token, their output is complete)
+            latest = torch.tensor([row[-1] for row in out.rows], device=ids.device)
         if streamer is not None:
             streamer.end()
-    return torch.cat([ids, torch.stack(generated, dim=1)], dim=1)
+    return torch.cat([ids, out.padded(pad)], dim=1)
