@@ -1,5 +1,7 @@
 """Lossless decoding (self-speculation): sparse decode steps draft tokens, one dense forward over all of them
 verifies, the agreeing prefix and the dense model's own next token are kept and the cache rolls the rest back.
+Each row of a batch keeps its own agreeing prefix: the slots of the drafts a row rejected stay in the cache, masked
+for that row (its attention mask has a 0 there, as for padding), and only the slots no row kept are rolled back.
 
 Greedy, the output is the dense model's greedy output token for token; sampling, the speculative-sampling rule keeps
 the dense model's distribution exactly. `sparsekv.generate(..., lossless=True)` runs it with sampling too;
@@ -235,8 +237,8 @@ _GENERATE_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "max_new_tokens"
 def generate_losslessly(model, config: SparseConfig, draft_tokens: int, counts: DraftCounts, args: tuple,
                         kwargs: dict) -> torch.Tensor:  # fmt: skip
     """`model.generate(input_ids, attention_mask=..., max_new_tokens=N, do_sample=False)` of an enabled model in
-    lossless mode: greedy, token for token the dense model's output (a left-padded batch keeps each round's
-    shortest accepted prefix). Returns the prompt and the new tokens [B, prompt + new], as `generate` does; rows
+    lossless mode: greedy, token for token the dense model's output (each row of a left-padded batch advances by
+    its own accepted drafts). Returns the prompt and the new tokens [B, prompt + new], as `generate` does; rows
     that finished (EOS) are padded with `pad_token_id`. `counts` adds up the rounds' drafts."""
     unknown = sorted(k for k, v in kwargs.items() if k not in _GENERATE_ARGUMENTS and v is not None)
     if unknown or len(args) > 1:
