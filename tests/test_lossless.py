@@ -108,18 +108,53 @@ def test_lossless_pads_a_batch_and_stops_rows_at_eos(real_model):
     assert lossless.new_token_ids == dense.new_token_ids
 
 
-def test_each_row_of_a_batch_takes_its_own_accepted_drafts(real_model):
+@pytest.fixture(scope="module")
+def four_prompts(real_model):
+    from sparsekv.assets import haystack_text
+
+    _, tokenizer = real_model
+    ids = tokenizer(haystack_text()[:200000]).input_ids
+    return [tokenizer.decode(ids[start : start + 1000]) for start in (0, 5000, 11000, 17000)]
+
+
+@pytest.fixture(scope="module")
+def four_dense(real_model, four_prompts):
+    model, tokenizer = real_model
+    return sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method="dense"), max_new_tokens=32)
+
+
+@pytest.mark.parametrize("method", ["spotlight", "oracle-topk"])
+def test_lossless_rounds_at_fixed_shapes_are_dense_token_for_token(real_model, four_prompts, four_dense, method):
+    """After the first round, the draft step and the verification run at fixed shapes (what CUDA graphs replay;
+    graph_decode=True runs them on CPU): drafts write slots that the verification rewrites, each row masks what it
+    rejected. The output is dense's, and the rounds took that path."""
+    model, tokenizer = real_model
+    result = sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method=method, budget=0.05),
+                               max_new_tokens=32, lossless=True, graph_decode=True)  # fmt: skip
+    assert result.new_token_ids == four_dense.new_token_ids
+    assert result.decode_paths["eager: first round"] == 1 and result.decode_paths["fixed-shape"] >= 5
+    assert result.tokens_per_verification > 2
+    assert result.avg_budget_tokens < 0.1 * result.avg_context_tokens  # the drafts were sparse
+
+
+def test_lossless_rounds_say_why_they_run_eagerly(real_model, four_prompts):
+    model, tokenizer = real_model
+    result = sparsekv.generate(model, tokenizer, four_prompts[:1], SparseConfig(method="quest", budget=0.05),
+                               max_new_tokens=8, lossless=True, graph_decode=True)  # fmt: skip
+    assert "eager: quest keeps state that a slot written again does not replace" in result.decode_paths
+    result = sparsekv.generate(model, tokenizer, four_prompts[:1], SparseConfig(method="spotlight", budget=0.05),
+                               max_new_tokens=8, lossless=True, graph_decode=True, do_sample=True, seed=0)  # fmt: skip
+    assert "eager: sampling" in result.decode_paths
+
+
+def test_each_row_of_a_batch_takes_its_own_accepted_drafts(real_model, four_prompts, four_dense):
     """Rows accept different numbers of drafts per verification. Each row takes its own (the slots of the drafts it
     rejected are masked for it alone), so a batch gets about as many tokens per dense forward as its rows alone
     (2.3-3.1 here); a batch-wide shortest accepted prefix gave 1.23. Every row is still dense's greedy output,
     through `sparsekv.generate` and through `model.generate()`."""
-    from sparsekv.assets import haystack_text
-
     model, tokenizer = real_model
-    ids = tokenizer(haystack_text()[:200000]).input_ids
-    prompts = [tokenizer.decode(ids[start : start + 1000]) for start in (0, 5000, 11000, 17000)]
+    prompts, dense = four_prompts, four_dense
     config = SparseConfig(method="quest", budget=0.05)
-    dense = sparsekv.generate(model, tokenizer, prompts, SparseConfig(method="dense"), max_new_tokens=32)
     lossless = sparsekv.generate(model, tokenizer, prompts, config, max_new_tokens=32, lossless=True)
     assert lossless.new_token_ids == dense.new_token_ids
     assert lossless.tokens_per_verification > 2

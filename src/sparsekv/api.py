@@ -23,9 +23,9 @@ from sparsekv.lossless import (
     RowTokens,
     Sampler,
     check_lossless,
+    decode_rounds,
     generate_losslessly,
     prefill,
-    speculate,
 )
 from sparsekv.registry import get_method_class
 
@@ -39,6 +39,17 @@ class _EnabledState:
     hooks: list[torch.utils.hooks.RemovableHandle]
     #: the model's forward routed through `runtime.graph` (installed while a generation runs)
     graph_forward: object
+
+
+@contextlib.contextmanager
+def lossless_forwards(runtime: SparseRuntime) -> Iterator[None]:
+    """The model's forwards skip its graph decoding (`GraphDecode`) while lossless rounds run: they roll back,
+    mask rows and capture their own graphs (`sparsekv.lossless.decode_rounds`)."""
+    mode, runtime.graph.mode = runtime.graph.mode, False
+    try:
+        yield
+    finally:
+        runtime.graph.mode = mode
 
 
 @contextlib.contextmanager
@@ -205,7 +216,8 @@ def enable(
     def generate_knowing_the_prompt(*args, **kwargs):
         if lossless:
             runtime.drafts = DraftCounts()
-            return generate_losslessly(model, config, draft_tokens, runtime.drafts, args, kwargs)
+            with lossless_forwards(runtime):
+                return generate_losslessly(model, config, draft_tokens, runtime.drafts, args, kwargs, graph_decode)
         runtime.prompt_length = _prompt_length(args, kwargs)
         runtime.generation_length = _generation_length(model, runtime.prompt_length, kwargs)
         try:
@@ -327,7 +339,9 @@ def generate(
     dense model's distribution exactly. The stats add the drafts' acceptance rate.
 
     graph_decode: as for `enable`: the one-token decode steps of an unpadded batch replay one CUDA graph (None: on
-    CUDA; lossless decoding always runs eagerly); `decode_paths` in the result says how each step ran.
+    CUDA); lossless rounds replay two (the draft step and the verification) after their first round, greedy and
+    where the method allows (`sparsekv.lossless.CapturedRounds`); `decode_paths` in the result says how each step
+    (lossless: each round) ran.
     compile_step: as for `enable`: that step's forward compiled by torch.compile before it is captured.
 
     A prompt plus `max_new_tokens` longer than the model's trained context (`max_position_embeddings`) is refused
@@ -359,7 +373,8 @@ def generate(
     eos = tokenizer.eos_token_id
     method = get_method_class(config.method)
     counts = DraftCounts()
-    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode, compile_step=compile_step) as runtime:
+    with enabled(model, config, prompt_filtered=True, graph_decode=graph_decode, compile_step=compile_step) as runtime, \
+            (lossless_forwards(runtime) if lossless else contextlib.nullcontext()):  # fmt: skip
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         capacity = input_ids.shape[1] + max_new_tokens
@@ -371,11 +386,9 @@ def generate(
         sampler = Sampler(temperature if do_sample else None, seed, device)
         if lossless:
             out = RowTokens(len(prompts), max_new_tokens, torch.tensor([] if eos is None else [eos]), device)
-            latest = sampler.draw(logits)[0]
-            out.add(latest[:, None], torch.ones_like(latest))
-            while not out.done:
-                speculate(decoder, sampler, latest, draft_tokens, out, counts)
-                latest = torch.tensor([row[-1] for row in out.rows], device=device)  # finished rows: any token
+            first = sampler.draw(logits)[0]
+            out.add(first[:, None], torch.ones_like(first))
+            decode_rounds(model, decoder, sampler, first, out, draft_tokens, counts, graph_decode)
             new_ids = out.rows
         else:
             new_ids = _decode_steps(model, decoder, sampler, logits, eos, max_new_tokens, capacity)
@@ -396,7 +409,7 @@ def generate(
         cache_bytes=cache_memory(cache, capacity=False)["bytes_total"],
         acceptance_rate=counts.acceptance_rate if lossless else None,
         tokens_per_verification=counts.tokens_per_verification if lossless else None,
-        decode_paths=None if lossless else dict(runtime.graph.steps),
+        decode_paths=dict(counts.paths) if lossless else dict(runtime.graph.steps),
     )
 
 

@@ -15,13 +15,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from sparsekv.budget import budget_tokens_tensor
-from sparsekv.cache import SparseCache
+from sparsekv.cache import SparseCache, fixed_slots
 from sparsekv.config import SparseConfig
 from sparsekv.errors import ConfigError
 from sparsekv.graph_decode import GraphDecode
 from sparsekv.hf_compat import supported_range
 from sparsekv.kernels.sparse_attention import sparse_attention
-from sparsekv.selectors.base import DecodeStep, StepHints, host_budget
+from sparsekv.selectors.base import DecodeStep, Selection, StepHints, host_budget
 
 ATTENTION_NAME = "sparsekv"
 RUNTIME_ATTR = "_sparsekv_runtime"
@@ -278,6 +278,18 @@ def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Ten
     return cache.fixed_step[name]
 
 
+def _verify_mask(cache: SparseCache, q_len: int) -> torch.Tensor:
+    """[B or 1, 1, Q, capacity] bool: the slots each of a fixed-shape forward's `q_len` queries attends densely
+    (its own and earlier slots, those its row keeps); built once per step."""
+    shared = cache.fixed_step
+    name = f"verify{q_len}"
+    if name not in shared:
+        causal = cache.fixed_slots[None, :] <= fixed_slots(cache.fixed_position, q_len)[:, None]  # [Q, capacity]
+        kept = cache.fixed_kept[:, None, :] if cache.fixed_kept is not None else causal.new_ones(1, 1, 1)
+        shared[name] = (causal[None] & kept)[:, None]
+    return shared[name]
+
+
 def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
     """[1, 1, capacity]: the cached slots within the last `window` positions of the step's token (itself
     included), as a sliding-window layer sees them; built once per step and window."""
@@ -300,9 +312,12 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     # the dense fallback (`SparseConfig.dense_below`) runs the dense step alone: the method's state and the stats
     # catch up once the fixed-shape steps end (`SparseCache.end_fixed_shape`)
     selector, pruner = (None, None) if cache.fixed_dense else (layer.selector, layer.pruner)
+    slots = fixed_slots(cache.fixed_position, q_len)
     for state in (selector, pruner):
         if state is not None:
-            state.append_fixed_shape(layer.new_keys, layer.new_values, cache.fixed_position)
+            state.append_fixed_shape(layer.new_keys, layer.new_values, slots)
+    if cache.attend_densely:  # the verification forward of a lossless round: every kept slot, causally
+        return sdpa_attention_forward(module, query, key, value, _verify_mask(cache, q_len), scaling=scale)
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
         info = cache.infos[module.layer_idx]
         if info.sliding:  # its window of the latest tokens only
@@ -318,6 +333,10 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     step = DecodeStep(query, key, value, visible, shared["forced"], shared["budgets"], selector.layer, config.gqa,
                       hints)  # fmt: skip
     selection = selector.select(step)
+    if cache.fixed_kept is not None:
+        # rows of their own: a selector ranks every written slot, and the ones a row does not keep stay unread
+        seen = visible[:, None].expand(-1, selection.indices.shape[1], -1, -1).gather(-1, selection.indices)
+        selection = Selection(selection.indices, selection.valid & seen)
     if pruner is not None:
         selection = pruner.prune(step, selection)
     if cache.record_stats:

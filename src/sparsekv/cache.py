@@ -73,6 +73,11 @@ def layer_infos(model) -> list[LayerInfo]:
     ]
 
 
+def fixed_slots(position: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The slots [tokens] a fixed-shape forward of `tokens` new tokens writes, from the device position [1]."""
+    return position if tokens == 1 else position + torch.arange(tokens, device=position.device)
+
+
 class SparseLayer(DynamicLayer):
     """K/V in a buffer grown by doubling (appending one token is O(1), not a copy of the whole cache),
     plus the layer's selector (None on dense layers)."""
@@ -156,12 +161,14 @@ class SparseLayer(DynamicLayer):
     def _update_fixed_shape(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """One token written at the device position: no host value changes, so a CUDA graph can replay it. The
         host count (`length`) is advanced by `SparseCache.advance_fixed_shape` once the step has run."""
-        if key_states.shape[-2] != 1:
-            raise ConfigError("fixed-shape decoding takes one new token per forward")
+        new = key_states.shape[-2]
+        if new != 1 and self.stores_kv:
+            raise ConfigError("fixed-shape decoding of a compressing selector takes one new token per forward")
         if not self.stores_kv:  # a compressing selector writes the token itself (`append_fixed_shape`)
-            self._key_buffer.index_copy_(-2, self.fixed_position, key_states)
-            self._value_buffer.index_copy_(-2, self.fixed_position, value_states)
-        self.new_tokens = 1
+            slots = fixed_slots(self.fixed_position, new)
+            self._key_buffer.index_copy_(-2, slots, key_states)
+            self._value_buffer.index_copy_(-2, slots, value_states)
+        self.new_tokens = new
         self.new_keys, self.new_values = key_states, value_states
         return self.keys, self.values
 
@@ -362,6 +369,10 @@ class SparseCache(Cache):
         #: slots it sees [1, 1, capacity], both on the device and rewritten in place by `prepare_fixed_step`
         self.fixed_position: torch.Tensor | None = None
         self.fixed_visible: torch.Tensor | None = None
+        #: fixed-shape decoding with rows of their own (`begin_fixed_shape(rows=...)`): which slots hold each
+        #: row's real tokens [B, capacity] (padding and the drafts a row rejected in lossless rounds do not);
+        #: `fixed_visible` is then [B, 1, capacity]
+        self.fixed_kept: torch.Tensor | None = None
         self.fixed_slots: torch.Tensor | None = None  # arange(capacity)
         self.fixed_start = 0  # tokens cached when fixed-shape decoding began
         #: the dense fallback (`SparseConfig.dense_below`): decode steps over fewer cached tokens (over the batch)
@@ -394,11 +405,12 @@ class SparseCache(Cache):
             return f"no room: {self.layers[0].length} tokens cached, capacity {capacity}"
         return None
 
-    def begin_fixed_shape(self, capacity: int, compiled: bool = False) -> None:
+    def begin_fixed_shape(self, capacity: int, compiled: bool = False, rows: bool = False) -> None:
         """From now on every forward writes one token at `fixed_position` and attention sees the first `capacity`
         slots of each layer's buffer, masked by `fixed_visible`: the same shapes at every step, no host value
         read or written by the step, so one CUDA graph replays every step (`sparsekv.graph_decode`). `compiled`:
-        the step's forward is compiled (`compile_step`), which the selectors are told (`compiled_step`)."""
+        the step's forward is compiled (`compile_step`), which the selectors are told (`compiled_step`).
+        `rows`: each row sees its own slots (`fixed_kept`, all kept until changed), as lossless rounds need."""
         if (why := self.fixed_shape_refusal(capacity)) is not None:
             raise ConfigError(f"fixed-shape decoding is not available: {why}")
         keys = self.layers[0].keys  # the buffer's view, or a compressing selector's stand-in
@@ -407,7 +419,9 @@ class SparseCache(Cache):
         self.fixed_dense = self.decodes_densely((length + 1) * keys.shape[0])  # the first step's keys
         self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
         self.fixed_slots = torch.arange(capacity, device=device)
-        self.fixed_visible = torch.zeros(1, 1, capacity, dtype=torch.bool, device=device)
+        batch = keys.shape[0] if rows else 1
+        self.fixed_visible = torch.zeros(batch, 1, capacity, dtype=torch.bool, device=device)
+        self.fixed_kept = torch.ones(batch, capacity, dtype=torch.bool, device=device) if rows else None
         self.stats.prepare_sums(device)
         for layer in self.layers:
             layer.begin_fixed_shape(self.fixed_position, capacity, compiled)
@@ -420,7 +434,10 @@ class SparseCache(Cache):
 
     def prepare_fixed_step(self) -> None:
         """Points the step at its position (device ops only: a CUDA graph captures them with the step)."""
-        torch.le(self.fixed_slots, self.fixed_position, out=self.fixed_visible[0, 0])
+        if self.fixed_kept is None:
+            torch.le(self.fixed_slots, self.fixed_position, out=self.fixed_visible[0, 0])
+        else:
+            torch.logical_and(self.fixed_kept, self.fixed_slots <= self.fixed_position, out=self.fixed_visible[:, 0])
         self.fixed_step = {}
 
     def advance_fixed_shape(self) -> None:
@@ -436,7 +453,7 @@ class SparseCache(Cache):
             self._record_dense_steps()
         for layer in self.layers:
             layer.end_fixed_shape(self.fixed_start if self.fixed_dense else None)
-        self.fixed_position = self.fixed_visible = self.fixed_slots = None
+        self.fixed_position = self.fixed_visible = self.fixed_slots = self.fixed_kept = None
 
     def _record_dense_steps(self) -> None:
         """The stats of the dense fallback's fixed-shape steps: every visible token of each sparse layer's rows."""

@@ -215,26 +215,33 @@ class GraphDecode:
         return self._compiled
 
     def _capture(self):
-        """Runs the step once on a side stream (lazy allocations, kernel compilation and autotuning happen
-        outside the capture), then captures it; the captured graph has not run, the side-stream run was the
-        step. A capture that fails leaves the step's result and decodes the rest eagerly, with a warning."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            output = self._run()
-        torch.cuda.current_stream().wait_stream(stream)
-        output = _detached(output)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self.output = self._run()
-        except Exception as error:  # noqa: BLE001 -- reported, and the step's eager result stands
-            self.output = None
-            self.refusal = f"CUDA graph capture failed ({type(error).__name__}: {str(error).splitlines()[0]})"
+        """Captures the step (`capture`). A capture that fails leaves the step's result and decodes the rest
+        eagerly, with a warning."""
+        output, self.output, self.graph, error = capture(self._run)
+        if error is not None:
+            self.refusal = error
             warnings.warn(f"sparsekv: {self.refusal}; decoding eagerly", RuntimeWarning, stacklevel=3)
-            return output
-        self.graph = graph
         return output
+
+
+def capture(run):
+    """Runs `run()` once on a side stream (lazy allocations, kernel compilation and autotuning happen outside the
+    capture), then captures a second call as a CUDA graph, which has not run: the side-stream run was the step.
+    -> (that run's output with its logits copied out, the graph's output, the graph, None), or on a failed
+    capture (output, None, None, why)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        output = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    output = _detached(output)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            graph_output = run()
+    except Exception as error:  # noqa: BLE001 -- reported by the caller, and the step's eager result stands
+        return output, None, None, f"CUDA graph capture failed ({type(error).__name__}: {str(error).splitlines()[0]})"
+    return output, graph_output, graph, None
 
 
 def _same(a: dict, b: dict) -> bool:

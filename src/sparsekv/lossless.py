@@ -10,12 +10,13 @@ the dense model's distribution exactly. `sparsekv.generate(..., lossless=True)` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from sparsekv.cache import SparseCache, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.graph_decode import capture
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.registry import get_method_class
 
@@ -28,6 +29,11 @@ class DraftCounts:
     accepted: int = 0  # of those, the ones the dense forward agreed with
     verifications: int = 0  # dense forwards
     rows_verified: int = 0  # unfinished rows over those forwards: each produced its accepted drafts + one token
+    #: rounds per path: "eager: <why>", "graph" (CUDA graphs), "fixed-shape" (the same steps without graphs)
+    paths: dict[str, int] = field(default_factory=dict)
+
+    def count(self, path: str) -> None:
+        self.paths[path] = self.paths.get(path, 0) + 1
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -229,17 +235,154 @@ def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_toke
     out.add(proposed, torch.minimum(agree + 1, room))
 
 
+class CapturedRounds:
+    """Lossless rounds at fixed shapes over a cache preallocated for the rest of the generation: the draft step
+    (one token a row) and the verification (a row's last token and its drafts, attending densely) each replay one
+    CUDA graph (`graph_decode.capture`; on CPU the same steps run without graphs). Nothing is rolled back: a round
+    writes `draft_tokens + 1` slots, the verification rewrites the slots the drafts wrote (the methods' state is
+    one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
+    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted. Greedy only."""
+
+    def __init__(self, model, decoder: Decoder, draft_tokens: int, capacity: int) -> None:
+        self.model, self.cache, self.gamma = model, decoder.cache, draft_tokens
+        cache = self.cache
+        self.slot = cache.layers[0].length  # the next round's first slot
+        cache.begin_fixed_shape(capacity, rows=True)
+        cache.fixed_kept[:, : self.slot] = decoder.mask.bool()
+        self.capacity = capacity
+        self.positions = decoder.mask.sum(-1, keepdim=True)  # [B, 1]: each row's next position
+        batch, device = decoder.mask.shape[0], decoder.mask.device
+        ids = {"dtype": torch.long, "device": device}
+        self.draft_inputs = {"input_ids": torch.zeros(batch, 1, **ids), "position_ids": torch.zeros(batch, 1, **ids)}
+        self.verify_inputs = {"input_ids": torch.zeros(batch, draft_tokens + 1, **ids),
+                              "position_ids": torch.zeros(batch, draft_tokens + 1, **ids)}  # fmt: skip
+        self.offsets = torch.arange(draft_tokens + 1, device=device)
+        self.graphs: dict[str, tuple] = {}  # step name -> (graph, its output)
+        self.path = "graph" if device.type == "cuda" else "fixed-shape"
+
+    @staticmethod
+    def refusal(cache: SparseCache, sampler: Sampler, graph_mode: bool | None) -> str | None:
+        """Why the rounds of this generation run eagerly (None: they can run at fixed shapes)."""
+        device = cache.layers[0].keys.device
+        if graph_mode is False:
+            return "graph_decode=False"
+        if graph_mode is None and device.type != "cuda":
+            return "no CUDA device"
+        if sampler.temperature is not None:
+            return "sampling"
+        if any(info.sliding for info in cache.infos):
+            return "a sliding-window layer (its window would count slots, not a row's kept tokens)"
+        for layer in cache.layers:
+            if layer.pruner is not None:
+                return "top-p pruning"
+            if layer.selector is not None and not layer.selector.slot_state:
+                return f"{layer.selector.name} keeps state that a slot written again does not replace"
+        return None
+
+    def _step(self, name: str, inputs: dict, dense: bool) -> torch.Tensor:
+        """The step's logits: the graph's replay, or on its first call the step itself (then captured)."""
+        cache = self.cache
+
+        def run():
+            cache.attend_densely = dense
+            try:
+                cache.prepare_fixed_step()
+                return self.model(**inputs, attention_mask=None, **cache_kwargs(self.model, cache),
+                                    use_cache=True, logits_to_keep=0 if dense else 1)  # fmt: skip
+            finally:
+                cache.attend_densely = False
+
+        if self.path == "fixed-shape":
+            return run().logits
+        if name in self.graphs:
+            graph, output = self.graphs[name]
+            graph.replay()
+            return output.logits
+        output, graph_output, graph, error = capture(run)
+        if error is not None:
+            raise ConfigError(f"lossless decoding: {error}; pass graph_decode=False to decode its rounds eagerly")
+        self.graphs[name] = (graph, graph_output)
+        return output.logits
+
+    def round(self, last: torch.Tensor, sampler: Sampler, out: RowTokens, counts: DraftCounts) -> None:
+        """As `speculate`, for rows whose latest tokens are `last` [B]."""
+        cache, gamma, start = self.cache, self.gamma, self.slot
+        if start + gamma + 1 > self.capacity:
+            raise ConfigError(f"lossless rounds ran out of their {self.capacity} preallocated slots")
+        room = out.room()
+        active = room > 0
+        draft, verify_ids = self.draft_inputs["input_ids"], self.verify_inputs["input_ids"]
+        draft[:, 0] = last
+        verify_ids[:, 0] = last
+        for j in range(gamma):  # sparse steps propose, each at its slot
+            cache.fixed_position.fill_(start + j)
+            torch.add(self.positions, j, out=self.draft_inputs["position_ids"])
+            token = self._step("draft", self.draft_inputs, dense=False)[:, -1].argmax(-1)
+            draft[:, 0] = token
+            verify_ids[:, j + 1] = token
+        cache.fixed_position.fill_(start)  # one dense forward checks them, rewriting their slots
+        torch.add(self.positions, self.offsets, out=self.verify_inputs["position_ids"])
+        dense_logits = self._step("verify", self.verify_inputs, dense=True)  # [B, gamma + 1, V]
+        proposed = verify_ids.clone()
+        agree, after = verify(sampler, list(proposed.unbind(1)), [], dense_logits)
+        agree = torch.where(active, agree, 0)  # a finished row keeps its last token's slot only
+        cache.fixed_kept[:, start : start + gamma + 1] = self.offsets <= agree[:, None]
+        self.positions += agree[:, None] + 1
+        self.slot = start + gamma + 1
+        for layer in cache.layers:
+            layer.length = self.slot
+        rows = int(active.sum())
+        counts.drafted += gamma * rows
+        counts.accepted += int(agree.sum())
+        counts.verifications += 1
+        counts.rows_verified += rows
+        proposed = torch.cat([proposed[:, 1:], after[:, None]], dim=1)
+        proposed.scatter_(1, agree[:, None].long(), after[:, None])
+        out.add(proposed, torch.minimum(agree + 1, room))
+
+
+def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor, out: RowTokens,
+                  draft_tokens: int, counts: DraftCounts, graph_mode: bool | None, on_tokens=None) -> None:  # fmt: skip
+    """Lossless rounds after the prompt's token `first` [B] (already in `out`) until every row has finished: the
+    first round eagerly (its draft steps complete the methods' state from the prompt), the others at fixed
+    shapes (`CapturedRounds`) where they can run so, else eagerly too; `counts.paths` says how each ran.
+    `on_tokens(taken)`: each row's new tokens after every round. `graph_mode`: as `enable`'s graph_decode; the
+    model's own graph decoding (`GraphDecode`) must be off while the rounds run (`lossless_forwards`)."""
+    cache = decoder.cache
+    cache.fallback_threshold = 0  # drafts are sparse: a dense fallback would make them the verification's twin
+    latest, rounds, why = first, None, "first round"
+    try:
+        while not out.done:
+            before = [len(row) for row in out.rows]
+            if rounds is not None:
+                rounds.round(latest, sampler, out, counts)
+                counts.count(rounds.path)
+            else:
+                speculate(decoder, sampler, latest, draft_tokens, out, counts)
+                counts.count(f"eager: {why}")
+                why = CapturedRounds.refusal(cache, sampler, graph_mode)
+                if why is None and not out.done:
+                    capacity = cache.layers[0].length + int(out.room().max()) * (draft_tokens + 1)
+                    rounds = CapturedRounds(model, decoder, draft_tokens, capacity)
+            if on_tokens is not None:
+                on_tokens([row[n:] for row, n in zip(out.rows, before)])
+            latest = torch.tensor([row[-1] for row in out.rows], device=first.device)  # finished rows: any token
+    finally:
+        cache.end_fixed_shape()
+
+
 #: `model.generate()` arguments a lossless generation takes; any other is refused, not ignored
 _GENERATE_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "max_new_tokens", "do_sample", "pad_token_id",
                        "eos_token_id", "streamer", "use_cache")  # fmt: skip
 
 
 def generate_losslessly(model, config: SparseConfig, draft_tokens: int, counts: DraftCounts, args: tuple,
-                        kwargs: dict) -> torch.Tensor:  # fmt: skip
+                        kwargs: dict, graph_mode: bool | None = None) -> torch.Tensor:  # fmt: skip
     """`model.generate(input_ids, attention_mask=..., max_new_tokens=N, do_sample=False)` of an enabled model in
     lossless mode: greedy, token for token the dense model's output (each row of a left-padded batch advances by
     its own accepted drafts). Returns the prompt and the new tokens [B, prompt + new], as `generate` does; rows
-    that finished (EOS) are padded with `pad_token_id`. `counts` adds up the rounds' drafts."""
+    that finished (EOS) are padded with `pad_token_id`. `counts` adds up the rounds' drafts. `graph_mode`:
+    as `enable`'s graph_decode, for the rounds (`decode_rounds`)."""
     unknown = sorted(k for k, v in kwargs.items() if k not in _GENERATE_ARGUMENTS and v is not None)
     if unknown or len(args) > 1:
         raise ConfigError(
@@ -277,18 +420,14 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int, counts: 
         logits = prefill(model, cache, ids, mask)
         decoder, sampler = Decoder(model, cache, mask), Sampler(None, None, ids.device)
         out = RowTokens(len(ids), max_new, eos, ids.device)
-        latest = sampler.draw(logits)[0]
-        taken = out.add(latest[:, None], torch.ones_like(latest))
-        while True:
+        first = sampler.draw(logits)[0]
+
+        def stream(taken: list[list[int]]) -> None:
             if streamer is not None and taken[0]:
                 streamer.put(torch.tensor(taken[0]))
-            if out.done:
-                break
-            before = [len(row) for row in out.rows]
-            speculate(decoder, sampler, latest, draft_tokens, out, counts)
-            taken = [row[n:] for row, n in zip(out.rows, before)]
-            # a row's next input is its latest token (finished rows: any token, their output is complete)
-            latest = torch.tensor([row[-1] for row in out.rows], device=ids.device)
+
+        stream(out.add(first[:, None], torch.ones_like(first)))
+        decode_rounds(model, decoder, sampler, first, out, draft_tokens, counts, graph_mode, stream)
         if streamer is not None:
             streamer.end()
     return torch.cat([ids, out.padded(pad)], dim=1)

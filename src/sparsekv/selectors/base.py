@@ -470,6 +470,10 @@ class TokenSelector:
     #: the method has a fixed-shape decode step (`append_fixed_shape`, and a `select` that reads no host value of
     #: the device): one CUDA graph then replays every decode step of `model.generate()` (`sparsekv.graph_decode`)
     fixed_shape: ClassVar[bool] = False
+    #: its fixed-shape state holds one entry per cache slot, written by `append_fixed_shape` for one or several
+    #: slots at once: writing a slot again replaces the entry, so lossless rounds may draft into slots that their
+    #: verification rewrites (`sparsekv.lossless.CapturedRounds`)
+    slot_state: ClassVar[bool] = False
     #: set by `SparseCache.begin_fixed_shape`: the fixed-shape steps run compiled (`compile_step=True`)
     compiled_step: bool = field(default=False, init=False, repr=False, compare=False)
     #: the dense fallback's default (`SparseConfig.dense_below`): cached tokens over the batch below which this

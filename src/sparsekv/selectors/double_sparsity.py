@@ -171,6 +171,7 @@ class DoubleSparsitySelector(TokenSelector):
 
     name = "double-sparsity"
     fixed_shape = True
+    slot_state = True
     #: the dense fallback's default (H200, Llama-3-8B shapes, B4, budget 2%: 0.54x at 64K and 0.52x at 128K
     #: cached tokens over the batch)
     dense_below = 1_048_576

@@ -121,6 +121,7 @@ class LSHSelector(TokenSelector):
 
     name = "lsh"
     fixed_shape = True
+    slot_state = True
     #: the dense fallback's default (H200, Llama-3-8B shapes, B4, budget 2%: 0.95x at 128K cached tokens over
     #: the batch, 1.005x at 256K, 1.32x at 512K (compiled))
     dense_below = 262_144

@@ -41,6 +41,7 @@ class OracleTopK(TokenSelector):
 
     name = "oracle-topk"
     fixed_shape = True  # no state: the step scores the buffer it is handed
+    slot_state = True
 
     def crop(self, length: int) -> None:
         pass  # no state: every step scores the cached keys exactly

@@ -323,6 +323,7 @@ class SpotlightSelector(TokenSelector):
 
     name = "spotlight"
     fixed_shape = True
+    slot_state = True
     #: the dense fallback's default (H200, Llama-3-8B shapes, B4, budget 2%: at 64K cached tokens over the
     #: batch 0.93x, at 128K 1.21x)
     dense_below = 98_304
