@@ -146,16 +146,16 @@ def e2e(
 
 @app.command()
 def generate(
-    model: Annotated[
-        str, typer.Option(help="default (SmolLM2-135M shape) | llama3-8b-random (random weights)")
-    ] = "llama3-8b-random",
+    model: Annotated[str, typer.Option(
+        help="llama3-8b-random | default (SmolLM2-135M shape): random weights and prompts; embedded: the embedded "
+        "model's real weights on windows of its essays")] = "llama3-8b-random",
     layers: Annotated[int | None, typer.Option(help="decoder layers (fewer than the model's to fit)")] = None,
     context: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 32768,
     batch: Annotated[int, typer.Option(help="batch size")] = 1,
     rows: Annotated[str, typer.Option(
         help="comma-separated: hf-dense, hf-static-compile and methods (dense: sparsekv's captured dense step; "
         "<method>@eager: without CUDA graphs; <method>@compile: the step compiled by torch.compile, then "
-        "captured; a ':<budget>' suffix gives a row its own budget, e.g. twilight@compile:0.25)")] = (
+        "captured; <method>@lossless: sparse drafts, dense verification, dense's output; a ':<budget>' suffix gives a row its own budget, e.g. twilight@compile:0.25)")] = (
         "hf-dense,hf-static-compile,dense,spotlight,lsh,quest,twilight,double-sparsity,self-index"
     ),
     budget: Annotated[float, typer.Option(help="fraction of the context attended per step (<1)")] = 0.02,
@@ -208,10 +208,17 @@ def generate(
             f"{r['vs_captured_dense']:.2f}x" if r["vs_captured_dense"] else "",
             f"{r['avg_budget_tokens']:.0f} / {r['avg_context_tokens']:.0f}" if r["avg_budget_tokens"] else "",
             f"{r['prefill_s']:.1f}", f"{r['peak_bytes'] / 1e9:.1f}" if r["peak_bytes"] else "",
-            decode_path(r.get("decode_paths")),
+            _lossless_facts(r) + decode_path(r.get("decode_paths")),
         )  # fmt: skip
     console.print(table)
     _write(result, output)
+
+
+def _lossless_facts(row: dict) -> str:
+    """A @lossless row's drafts in short (its decode paths count rounds, not steps)."""
+    if row.get("acceptance_rate") is None:
+        return ""
+    return f"accepted {row['acceptance_rate']:.2f}, {row['tokens_per_verification']:.2f} tokens/verification; rounds: "
 
 
 @app.command()

@@ -8,7 +8,13 @@ The same random prompts through, in turn:
   replay one CUDA graph where the method has a fixed-shape step (`sparsekv.graph_decode`); `dense` is sparsekv's
   own captured dense step. A row `<method>@eager` runs the same with `graph_decode=False`, a row `<method>@compile`
   with `compile_step=True` (the step's forward compiled by torch.compile before it is captured); a row
-  `<method>...:<budget>` runs at its own budget (e.g. `twilight@compile:0.25`: top-p over 25% candidates).
+  `<method>...:<budget>` runs at its own budget (e.g. `twilight@compile:0.25`: top-p over 25% candidates); a row
+  `<method>@lossless` decodes losslessly (`enabled(..., lossless=True)`: sparse steps draft, a dense forward
+  verifies, the output is dense's), with its acceptance rate and tokens per verification.
+
+`--model embedded` is the embedded model with its real weights (SmolLM2-135M-Instruct) on windows of the embedded
+essays, one window per row (lossless decoding's acceptance depends on real weights and text); the other models
+have random weights and random prompts.
 
 Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a one-shot prefill of a long batch does
 not fit the GPU). The time of each generated token is taken by a streamer (transformers hands it each token as
@@ -34,16 +40,19 @@ HF_ROWS = ("hf-dense", "hf-static-compile")
 DEFAULT_METHODS = ("dense", "spotlight", "lsh", "quest", "twilight", "double-sparsity", "self-index")
 EAGER_SUFFIX = "@eager"
 COMPILE_SUFFIX = "@compile"
+LOSSLESS_SUFFIX = "@lossless"
+#: `--model` with the real weights of the embedded model, prompts from its essays
+EMBEDDED_MODEL = "embedded"
 
 
 def parse_row(row: str) -> tuple[str, str, float | None]:
-    """"<method>[@eager|@compile][:budget]" -> (method, "@eager"/"@compile"/"", budget or None)."""
+    """"<method>[@eager|@compile|@lossless][:budget]" -> (method, the suffix or "", budget or None)."""
     name, _, budget = row.partition(":")
     try:
         own_budget = float(budget) if budget else None
     except ValueError:
         raise ConfigError(f"row {row!r}: the budget after ':' must be a number, e.g. twilight@compile:0.25") from None
-    for suffix in (EAGER_SUFFIX, COMPILE_SUFFIX):
+    for suffix in (EAGER_SUFFIX, COMPILE_SUFFIX, LOSSLESS_SUFFIX):
         if name.endswith(suffix):
             return name.removesuffix(suffix), suffix, own_budget
     return name, "", own_budget
@@ -106,6 +115,9 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     and (methods) the tokens attended per step."""
     import sparsekv
 
+    if parse_row(row)[1] == LOSSLESS_SUFFIX:
+        return _time_lossless(model, ids, row, budget=budget, new_tokens=new_tokens, warmup=warmup,
+                              prefill_chunk_size=prefill_chunk_size)  # fmt: skip
     device = ids.device
     steps = new_tokens + warmup + 1
     runtime = []  # the row's SparseRuntime, once enabled
@@ -159,6 +171,72 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     return result
 
 
+def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tokens: int, warmup: int,
+                   prefill_chunk_size: int | None) -> dict:  # fmt: skip
+    """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, a row's at its own pace, so the decode
+    time of a generation of `warmup + 1` tokens is taken from one of `warmup + new_tokens + 1` (both capture their
+    graphs and prefill alike): TPOT is the difference per extra token of a row."""
+    import sparsekv
+
+    if prefill_chunk_size is not None:
+        raise ConfigError("a @lossless row prefills in one forward: drop --prefill-chunk-size")
+    device = ids.device
+    config = config_for(row, budget, None)
+    result: dict = {"row": row}
+
+    def decode_seconds(tokens: int) -> tuple[float, dict]:
+        clock = _TokenClock(device)
+        gc.collect()
+        with sparsekv.enabled(model, config, lossless=True, draft_tokens=LOSSLESS_DRAFTS) as rt:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                           streamer=clock, eos_token_id=[], pad_token_id=0)  # fmt: skip
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - clock.times[1]
+            drafts = rt.drafts
+            stats = sparsekv.last_cache(model).stats.summary()
+        return seconds, {"acceptance_rate": drafts.acceptance_rate, "tokens_per_verification":
+                         drafts.tokens_per_verification, "decode_paths": dict(drafts.paths),
+                         "avg_budget_tokens": stats["avg_budget_tokens"],
+                         "avg_context_tokens": stats["avg_context_tokens"]}  # fmt: skip
+
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        short, _ = decode_seconds(warmup + 1)
+        start = time.perf_counter()
+        long, facts = decode_seconds(warmup + new_tokens + 1)
+        prefill = time.perf_counter() - start - long
+    except torch.OutOfMemoryError as error:
+        return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
+    tpot = (long - short) / new_tokens
+    return result | facts | {
+        "tpot_ms": 1e3 * tpot,
+        "step_ms": None,
+        "tokens_per_s": ids.shape[0] / tpot,
+        "prefill_s": prefill,
+        "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "draft_tokens": LOSSLESS_DRAFTS,
+    }
+
+
+#: tokens drafted per verification in `@lossless` rows (`enable`'s default)
+LOSSLESS_DRAFTS = 4
+
+
+def embedded_prompts(tokenizer, batch: int, context: int) -> torch.Tensor:
+    """[batch, context] token ids: windows of the embedded essays, row r starting 1,009 r tokens in (wrapping
+    around the text), so that every row reads its own text."""
+    from sparsekv.assets import haystack_text
+
+    text = torch.tensor(tokenizer(haystack_text()).input_ids)
+    if len(text) <= context:
+        raise ConfigError(f"the embedded essays hold {len(text)} tokens: --context must be below that")
+    starts = [(1009 * r) % (len(text) - context) for r in range(batch)]
+    return torch.stack([text[s : s + context] for s in starts])
+
+
 def run_generate(
     model: str = "llama3-8b-random",
     *,
@@ -208,13 +286,21 @@ def run_generate(
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context, shards=tp)
         net = tensor_parallel_model(model, layers=layers, tp=tp, dtype=dtype, seed=seed)
+    elif model == EMBEDDED_MODEL:
+        if layers is not None or tp > 1:
+            raise ConfigError("--model embedded runs the whole embedded model on one device: drop --layers and --tp")
+        from sparsekv.models import load_model
+
+        net, tokenizer = load_model("default", dtype=dtype, device=dev)
+        ids = embedded_prompts(tokenizer, batch, context).to(dev)
     else:
         check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
         net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
     say = progress or (lambda _line: None)
     say(f"model ready: {net.config.num_hidden_layers} layers, tp {tp} ({time.perf_counter() - started:.0f} s)")
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
+    if model != EMBEDDED_MODEL:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
     results: list[dict] = []
     for round_index in range(rounds):
         for row in rows:
