@@ -10,6 +10,7 @@ the dense model's distribution exactly. `sparsekv.generate(..., lossless=True)` 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,8 @@ class DraftCounts:
     rows_verified: int = 0  # unfinished rows over those forwards: each produced its accepted drafts + one token
     #: rounds per path: "eager: <why>", "graph" (CUDA graphs), "fixed-shape" (the same steps without graphs)
     paths: dict[str, int] = field(default_factory=dict)
+    #: per round: (perf_counter() once its tokens are on the host, tokens the rows took, rows that were unfinished)
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)
 
     def count(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1
@@ -364,8 +367,11 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
                 if why is None and not out.done:
                     capacity = cache.layers[0].length + int(out.room().max()) * (draft_tokens + 1)
                     rounds = CapturedRounds(model, decoder, draft_tokens, capacity)
+            taken = [row[n:] for row, n in zip(out.rows, before)]
+            active = sum(n < out.max_new for n in before)  # an EOS row is counted until its round
+            counts.timeline.append((time.perf_counter(), sum(map(len, taken)), active))
             if on_tokens is not None:
-                on_tokens([row[n:] for row, n in zip(out.rows, before)])
+                on_tokens(taken)
             latest = torch.tensor([row[-1] for row in out.rows], device=first.device)  # finished rows: any token
     finally:
         cache.end_fixed_shape()

@@ -173,51 +173,51 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
 
 def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tokens: int, warmup: int,
                    prefill_chunk_size: int | None) -> dict:  # fmt: skip
-    """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, a row's at its own pace, so the decode
-    time of a generation of `warmup + 1` tokens is taken from one of `warmup + new_tokens + 1` (both capture their
-    graphs and prefill alike): TPOT is the difference per extra token of a row."""
+    """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, each row at its own pace; the rounds'
+    timeline (`DraftCounts.timeline`) gives TPOT as the seconds per token of a row over the rounds after the first
+    `warmup` tokens of a row and while every row is still decoding (the first round runs eagerly, the next one
+    captures the graphs)."""
     import sparsekv
 
     if prefill_chunk_size is not None:
         raise ConfigError("a @lossless row prefills in one forward: drop --prefill-chunk-size")
-    device = ids.device
+    device, batch = ids.device, ids.shape[0]
     config = config_for(row, budget, None)
     result: dict = {"row": row}
-
-    def decode_seconds(tokens: int) -> tuple[float, dict]:
-        clock = _TokenClock(device)
-        gc.collect()
-        with sparsekv.enabled(model, config, lossless=True, draft_tokens=LOSSLESS_DRAFTS) as rt:
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                           streamer=clock, eos_token_id=[], pad_token_id=0)  # fmt: skip
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds = time.perf_counter() - clock.times[1]
-            drafts = rt.drafts
-            stats = sparsekv.last_cache(model).stats.summary()
-        return seconds, {"acceptance_rate": drafts.acceptance_rate, "tokens_per_verification":
-                         drafts.tokens_per_verification, "decode_paths": dict(drafts.paths),
-                         "avg_budget_tokens": stats["avg_budget_tokens"],
-                         "avg_context_tokens": stats["avg_context_tokens"]}  # fmt: skip
-
+    clock = _TokenClock(device)
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        short, _ = decode_seconds(warmup + 1)
-        start = time.perf_counter()
-        long, facts = decode_seconds(warmup + new_tokens + 1)
-        prefill = time.perf_counter() - start - long
+        with sparsekv.enabled(model, config, lossless=True, draft_tokens=LOSSLESS_DRAFTS) as rt:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=warmup + new_tokens + 1,
+                           do_sample=False, streamer=clock, eos_token_id=[], pad_token_id=0)  # fmt: skip
+            drafts = rt.drafts
+            stats = sparsekv.last_cache(model).stats.summary()
     except torch.OutOfMemoryError as error:
         return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
-    tpot = (long - short) / new_tokens
-    return result | facts | {
+    taken, seconds, tokens, last = batch, 0.0, 0, clock.times[1]  # the first token: one per row
+    for at, got, active in drafts.timeline:
+        if taken >= (warmup + 1) * batch and active == batch:
+            seconds, tokens = seconds + at - last, tokens + got
+        taken, last = taken + got, at
+    if not tokens:
+        return result | {"error": f"no round after {warmup} warm-up tokens with every row decoding: raise --new-tokens"}
+    tpot = seconds * batch / tokens
+    return result | {
         "tpot_ms": 1e3 * tpot,
         "step_ms": None,
-        "tokens_per_s": ids.shape[0] / tpot,
-        "prefill_s": prefill,
+        "tokens_per_s": batch / tpot,
+        "prefill_s": clock.times[1] - clock.times[0],
         "peak_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "avg_budget_tokens": stats["avg_budget_tokens"],
+        "avg_context_tokens": stats["avg_context_tokens"],
+        "decode_paths": dict(drafts.paths),
+        "acceptance_rate": drafts.acceptance_rate,
+        "tokens_per_verification": drafts.tokens_per_verification,
         "draft_tokens": LOSSLESS_DRAFTS,
+        "timed_tokens_per_row": tokens / batch,
     }
 
 
