@@ -278,6 +278,18 @@ def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Ten
     return cache.fixed_step[name]
 
 
+def _grouped_sdpa(query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA of queries [B, Hq, Q, d] over K/V [B, Hkv, N, d] with a mask [B or 1, 1, Q, N] shared by every head ->
+    [B, Q, Hq, d]. The query heads of a GQA group go in as one head's group x Q rows, so the K/V are read once per
+    KV head: with a mask, transformers' SDPA would copy K/V once per query head first."""
+    batch, heads, q_len, dim = query.shape
+    groups = heads // key.shape[1]
+    packed = query.reshape(batch, key.shape[1], groups * q_len, dim)  # head h = kv head h // groups
+    rows = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q_len, -1)
+    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=rows, scale=scale)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous()
+
+
 def _verify_mask(cache: SparseCache, q_len: int) -> torch.Tensor:
     """[B or 1, 1, Q, capacity] bool: the slots each of a fixed-shape forward's `q_len` queries attends densely
     (its own and earlier slots, those its row keeps); built once per step."""
@@ -317,7 +329,7 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         if state is not None:
             state.append_fixed_shape(layer.new_keys, layer.new_values, slots)
     if cache.attend_densely:  # the verification forward of a lossless round: every kept slot, causally
-        return sdpa_attention_forward(module, query, key, value, _verify_mask(cache, q_len), scaling=scale)
+        return _grouped_sdpa(query, key, value, _verify_mask(cache, q_len), scale), None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
         info = cache.infos[module.layer_idx]
         if info.sliding:  # its window of the latest tokens only
