@@ -88,8 +88,9 @@ def test_lossless_model_generate_refuses_what_it_does_not_do(real_model):
     for bad, match in ((SparseConfig(method="self-index"), "compressed"), (SparseConfig(method="dense"), "densely")):
         with pytest.raises(ConfigError, match=match):
             sparsekv.enable(model, bad, lossless=True)
-    with pytest.raises(ConfigError, match="draft_tokens"):
-        sparsekv.enable(model, SparseConfig(method="lsh"), lossless=True, draft_tokens=0)
+    for bad in (0, "many", 2.5):
+        with pytest.raises(ConfigError, match="draft_tokens"):
+            sparsekv.enable(model, SparseConfig(method="lsh"), lossless=True, draft_tokens=bad)
 
 
 @pytest.mark.parametrize("method", ["h2o", "self-index", "dense"])
@@ -130,11 +131,41 @@ def test_lossless_rounds_at_fixed_shapes_are_dense_token_for_token(real_model, f
     rejected. The output is dense's, and the rounds took that path."""
     model, tokenizer = real_model
     result = sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method=method, budget=0.05),
-                               max_new_tokens=32, lossless=True, graph_decode=True)  # fmt: skip
+                               max_new_tokens=32, lossless=True, draft_tokens=4, graph_decode=True)  # fmt: skip
     assert result.new_token_ids == four_dense.new_token_ids
     assert result.decode_paths["eager: first round"] == 1 and result.decode_paths["fixed-shape"] >= 5
     assert result.tokens_per_verification > 2
     assert result.avg_budget_tokens < 0.1 * result.avg_context_tokens  # the drafts were sparse
+
+
+def test_auto_draft_counts_follow_measured_acceptance_and_step_times(real_model, four_prompts):
+    """draft_tokens="auto": each fixed-shape round drafts the count that `best_draft_count` gives for what was
+    measured so far (0 to 8), and the output stays dense's."""
+    from sparsekv.lossless import best_draft_count
+
+    model, tokenizer = real_model
+    config = SparseConfig(method="oracle-topk", budget=0.05)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(four_prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    plain = model.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    with sparsekv.enabled(model, config, lossless=True, graph_decode=True) as runtime:  # draft_tokens "auto"
+        out = model.generate(**batch, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(out, plain)
+    drafts = runtime.drafts
+    assert drafts.paths["eager: first round"] == 1 and drafts.paths["fixed-shape"] >= 2
+    assert set(drafts.drafts_per_round) <= set(range(9)) and drafts.draft_cost > 0
+    assert best_draft_count(drafts.draft_acceptance, drafts.draft_cost, 8) in range(9)
+
+
+def test_best_draft_count_weighs_acceptance_against_draft_cost():
+    from sparsekv.lossless import best_draft_count
+
+    assert best_draft_count(0.99, 0.01, 8) == 8  # cheap drafts that hold: draft the most
+    assert best_draft_count(0.0, 0.1, 8) == 0  # drafts never hold: plain dense steps
+    assert best_draft_count(0.9, 1.0, 8) == 0  # a draft step costs a whole verification: no gain
+    assert best_draft_count(1.0, 0.2, 4) == 4
+    # between: a = 0.8 and drafts at a quarter of a verification peak at 3 (2.95 tokens / 1.75 = 1.69 a verification)
+    assert best_draft_count(0.8, 0.25, 8) == 3
 
 
 def test_lossless_rounds_say_why_they_run_eagerly(real_model, four_prompts):

@@ -18,6 +18,7 @@ from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.graph_decode import GraphDecode
 from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, check_transformers_version
 from sparsekv.lossless import (
+    AUTO_DRAFTS,
     Decoder,
     DraftCounts,
     RowTokens,
@@ -104,7 +105,7 @@ def enable(
     graph_decode: bool | None = None,
     compile_step: bool = False,
     lossless: bool = False,
-    draft_tokens: int = 4,
+    draft_tokens: int | str = AUTO_DRAFTS,
 ) -> SparseRuntime:
     """Makes `model` decode with `config`; `model.generate()` and plain forwards then use a SparseCache.
 
@@ -132,6 +133,9 @@ def enable(
 
     lossless: `model.generate()` decodes by self-speculation (`sparsekv.lossless`): `draft_tokens` sparse steps
     propose, one dense forward verifies, so the output is the dense model's greedy output token for token.
+    draft_tokens: an int, or "auto" (default): the rounds replayed as CUDA graphs choose 0 to 8 drafts each from
+    the measured acceptance and the timed draft and verification steps (`sparsekv.lossless.best_draft_count`:
+    0 is a plain dense step, when drafting does not pay); eager rounds draft 4.
     It takes input_ids, attention_mask (left padding), max_new_tokens, eos/pad ids and a streamer, greedy only, and
     refuses any other generate() argument; `runtime.drafts` counts the last call's drafts (`acceptance_rate`).
     """
@@ -318,7 +322,7 @@ def generate(
     max_new_tokens: int = 32,
     *,
     lossless: bool = False,
-    draft_tokens: int = 4,
+    draft_tokens: int | str = AUTO_DRAFTS,
     allow_longer_context: bool = False,
     do_sample: bool = False,
     temperature: float = 1.0,
@@ -333,7 +337,8 @@ def generate(
 
     do_sample: draw each token from softmax(logits / temperature) (a `seed` makes it repeatable) instead of greedy.
 
-    lossless: self-speculative decoding: `draft_tokens` sparse decode steps propose tokens, one dense forward over
+    lossless: self-speculative decoding: `draft_tokens` (an int, or "auto" as for `enable`) sparse decode steps
+    propose tokens, one dense forward over
     them verifies, the longest agreeing prefix and the dense model's next token are kept and the rest is rolled
     back. Greedy, the output is the dense model's greedy output; sampling, the speculative-sampling rule keeps the
     dense model's distribution exactly. The stats add the drafts' acceptance rate.

@@ -166,7 +166,9 @@ def generate(
     lossless: Annotated[
         bool, typer.Option("--lossless", help="sparse steps draft, a dense step verifies: dense's exact output")
     ] = False,
-    draft_tokens: Annotated[int, typer.Option(help="--lossless: tokens drafted per verification")] = 4,
+    draft_tokens: Annotated[str, typer.Option(
+        help="--lossless: tokens drafted per verification, or auto (chosen round by round from measured acceptance "
+        "and step times)")] = "auto",
     allow_longer_context: Annotated[
         bool, typer.Option("--allow-longer-context", help="run a prompt longer than the model's trained context")
     ] = False,
@@ -182,10 +184,11 @@ def generate(
     from sparsekv.models import chat_prompt
 
     config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option, dense_below)
+    drafts = draft_count(draft_tokens)
     loaded, tokenizer = load(model, device, dtype)
     text = prompt if raw else chat_prompt(tokenizer, prompt)
     result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens, lossless=lossless,
-                               draft_tokens=draft_tokens, allow_longer_context=allow_longer_context,
+                               draft_tokens=drafts, allow_longer_context=allow_longer_context,
                                do_sample=sample, temperature=temperature, seed=seed)  # fmt: skip
     console.print(result.texts[0], markup=False, highlight=False)
     console.print(format_stats(result), style="dim")
@@ -193,6 +196,16 @@ def generate(
         output,
         {"model": model, "prompt": prompt, "budget": config.budget, "top_p": top_p, **result.to_dict()},
     )
+
+
+def draft_count(text: str) -> int | str:
+    """--draft-tokens: "auto" or a positive int (checked by `sparsekv.generate`)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--draft-tokens takes a positive int or auto, got {text!r}") from None
 
 
 def format_stats(result) -> str:

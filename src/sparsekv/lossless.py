@@ -34,6 +34,28 @@ class DraftCounts:
     paths: dict[str, int] = field(default_factory=dict)
     #: per round: (perf_counter() once its tokens are on the host, tokens the rows took, rows that were unfinished)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    rejected: int = 0  # rows whose drafts met a rejection in a round (the others accepted every draft)
+    #: fixed-shape rounds: seconds in draft steps and in verifications, and how many of each (CUDA events)
+    draft_seconds: float = 0.0
+    draft_steps: int = 0
+    verify_seconds: float = 0.0
+    verify_steps: int = 0
+    #: fixed-shape rounds per number of drafts (`draft_tokens="auto"` chooses it round by round)
+    drafts_per_round: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def draft_acceptance(self) -> float | None:
+        """Each draft's chance of acceptance given the drafts before it were accepted: accepted drafts over
+        accepted drafts and rejections (a round's drafts past its first rejection are never judged)."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else None
+
+    @property
+    def draft_cost(self) -> float | None:
+        """A draft step's time over a verification's (fixed-shape rounds), once both were timed."""
+        if not (self.draft_steps and self.verify_steps and self.verify_seconds > 0):
+            return None
+        return (self.draft_seconds / self.draft_steps) / (self.verify_seconds / self.verify_steps)
 
     def count(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1
@@ -180,7 +202,32 @@ class RowTokens:
         return torch.tensor([row + [pad] * (longest - len(row)) for row in self.rows], device=self.finished.device)
 
 
-def check_lossless(config: SparseConfig, draft_tokens: int) -> None:
+#: `draft_tokens="auto"`: fixed-shape rounds choose how many tokens to draft, up to AUTO_MOST_DRAFTS, from the
+#: measured acceptance and step times (`best_draft_count`); eager rounds draft AUTO_EAGER_DRAFTS
+AUTO_DRAFTS = "auto"
+AUTO_MOST_DRAFTS = 8
+AUTO_EAGER_DRAFTS = 4
+#: with "auto", a round that chose no drafts (plain dense steps) drafts again every this many rounds, so that the
+#: acceptance estimate follows the text
+AUTO_PROBE_EVERY = 16
+
+
+def best_draft_count(acceptance: float, draft_cost: float, most: int) -> int:
+    """The number of drafts (0 to `most`) that gives a row the most tokens per second: with each draft accepted
+    with probability `acceptance` (given the ones before it), a round of g drafts yields (1 - a^(g+1)) / (1 - a)
+    tokens (the accepted drafts and the verification's own token) and costs g draft steps and one verification,
+    `draft_cost` being a draft step's time over a verification's. 0 is a plain dense step (one token a
+    verification): drafting no longer pays."""
+    best, best_rate = 0, 1.0
+    for drafts in range(1, most + 1):
+        tokens = drafts + 1.0 if acceptance >= 1 else (1 - acceptance ** (drafts + 1)) / (1 - acceptance)
+        rate = tokens / (drafts * draft_cost + 1)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = drafts, rate
+    return best
+
+
+def check_lossless(config: SparseConfig, draft_tokens: int | str) -> None:
     method = get_method_class(config.method)
     if method.dense or method.rewrites_prompt:
         raise ConfigError(f"lossless decoding drafts with a sparse method; {config.method} decodes densely already")
@@ -189,8 +236,10 @@ def check_lossless(config: SparseConfig, draft_tokens: int) -> None:
             f"{config.method} keeps only its compressed K/V, so a dense step cannot verify its drafts; lossless "
             "decoding needs a method that keeps the full K/V"
         )
+    if draft_tokens == AUTO_DRAFTS:
+        return
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
-        raise ConfigError(f"draft_tokens must be an int >= 1, got {draft_tokens!r}")
+        raise ConfigError(f"draft_tokens must be an int >= 1 or {AUTO_DRAFTS!r}, got {draft_tokens!r}")
 
 
 def prefill(model, cache: SparseCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -229,6 +278,7 @@ def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_toke
     rows = int(active.sum())
     counts.drafted += gamma * rows
     counts.accepted += int(agree[active].sum())
+    counts.rejected += int(((agree < gamma) & active).sum())
     counts.verifications += 1
     counts.rows_verified += rows
     # a row keeps the dense K/V of its last token and of its accepted drafts; a finished row, its last token only
@@ -246,22 +296,39 @@ class CapturedRounds:
     one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
     (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted. Greedy only."""
 
-    def __init__(self, model, decoder: Decoder, draft_tokens: int, capacity: int) -> None:
-        self.model, self.cache, self.gamma = model, decoder.cache, draft_tokens
+    def __init__(self, model, decoder: Decoder, draft_tokens: int | str, capacity: int) -> None:
+        self.model, self.cache = model, decoder.cache
+        self.auto = draft_tokens == AUTO_DRAFTS
+        self.most = AUTO_MOST_DRAFTS if self.auto else draft_tokens
         cache = self.cache
         self.slot = cache.layers[0].length  # the next round's first slot
         cache.begin_fixed_shape(capacity, rows=True)
         cache.fixed_kept[:, : self.slot] = decoder.mask.bool()
         self.capacity = capacity
         self.positions = decoder.mask.sum(-1, keepdim=True)  # [B, 1]: each row's next position
-        batch, device = decoder.mask.shape[0], decoder.mask.device
-        ids = {"dtype": torch.long, "device": device}
-        self.draft_inputs = {"input_ids": torch.zeros(batch, 1, **ids), "position_ids": torch.zeros(batch, 1, **ids)}
-        self.verify_inputs = {"input_ids": torch.zeros(batch, draft_tokens + 1, **ids),
-                              "position_ids": torch.zeros(batch, draft_tokens + 1, **ids)}  # fmt: skip
-        self.offsets = torch.arange(draft_tokens + 1, device=device)
+        self.batch, self.device = decoder.mask.shape[0], decoder.mask.device
+        self.draft_inputs = self._inputs(1)
+        self.verify_inputs: dict[int, dict[str, torch.Tensor]] = {}  # per number of drafts
+        self.offsets = torch.arange(self.most + 1, device=self.device)
         self.graphs: dict[str, tuple] = {}  # step name -> (graph, its output)
-        self.path = "graph" if device.type == "cuda" else "fixed-shape"
+        self.path = "graph" if self.device.type == "cuda" else "fixed-shape"
+        self.dense_rounds = 0  # rounds that chose no drafts (draft_tokens="auto")
+
+    def _inputs(self, tokens: int) -> dict[str, torch.Tensor]:
+        zeros = torch.zeros(self.batch, tokens, dtype=torch.long, device=self.device)
+        return {"input_ids": zeros, "position_ids": zeros.clone()}
+
+    def _drafts(self, counts: DraftCounts) -> int:
+        """This round's number of drafts: `draft_tokens`, or ("auto") `best_draft_count` of what was measured."""
+        acceptance, cost = counts.draft_acceptance, counts.draft_cost
+        if not self.auto or acceptance is None or cost is None:
+            return self.most
+        drafts = best_draft_count(acceptance, cost, self.most)
+        if drafts == 0:
+            self.dense_rounds += 1
+            if self.dense_rounds % AUTO_PROBE_EVERY == 0:
+                return self.most
+        return drafts
 
     @staticmethod
     def refusal(cache: SparseCache, sampler: Sampler, graph_mode: bool | None) -> str | None:
@@ -309,27 +376,37 @@ class CapturedRounds:
 
     def round(self, last: torch.Tensor, sampler: Sampler, out: RowTokens, counts: DraftCounts) -> None:
         """As `speculate`, for rows whose latest tokens are `last` [B]."""
-        cache, gamma, start = self.cache, self.gamma, self.slot
+        cache, start = self.cache, self.slot
+        gamma = self._drafts(counts)
         if start + gamma + 1 > self.capacity:
             raise ConfigError(f"lossless rounds ran out of their {self.capacity} preallocated slots")
         room = out.room()
         active = room > 0
-        draft, verify_ids = self.draft_inputs["input_ids"], self.verify_inputs["input_ids"]
+        if gamma not in self.verify_inputs:
+            self.verify_inputs[gamma] = self._inputs(gamma + 1)
+        verify_inputs = self.verify_inputs[gamma]
+        draft, verify_ids = self.draft_inputs["input_ids"], verify_inputs["input_ids"]
         draft[:, 0] = last
         verify_ids[:, 0] = last
+        clock, graphs = _StepClock(self.device), len(self.graphs)
         for j in range(gamma):  # sparse steps propose, each at its slot
             cache.fixed_position.fill_(start + j)
             torch.add(self.positions, j, out=self.draft_inputs["position_ids"])
             token = self._step("draft", self.draft_inputs, dense=False)[:, -1].argmax(-1)
             draft[:, 0] = token
             verify_ids[:, j + 1] = token
+        clock.mark()
         cache.fixed_position.fill_(start)  # one dense forward checks them, rewriting their slots
-        torch.add(self.positions, self.offsets, out=self.verify_inputs["position_ids"])
-        dense_logits = self._step("verify", self.verify_inputs, dense=True)  # [B, gamma + 1, V]
+        torch.add(self.positions, self.offsets[: gamma + 1], out=verify_inputs["position_ids"])
+        dense_logits = self._step(f"verify{gamma}", verify_inputs, dense=True)  # [B, gamma + 1, V]
+        clock.mark()
         proposed = verify_ids.clone()
-        agree, after = verify(sampler, list(proposed.unbind(1)), [], dense_logits)
+        if gamma:
+            agree, after = verify(sampler, list(proposed.unbind(1)), [], dense_logits)
+        else:  # a plain dense step
+            agree, after = torch.zeros_like(last), dense_logits[:, 0].argmax(-1)
         agree = torch.where(active, agree, 0)  # a finished row keeps its last token's slot only
-        cache.fixed_kept[:, start : start + gamma + 1] = self.offsets <= agree[:, None]
+        cache.fixed_kept[:, start : start + gamma + 1] = self.offsets[: gamma + 1] <= agree[:, None]
         self.positions += agree[:, None] + 1
         self.slot = start + gamma + 1
         for layer in cache.layers:
@@ -337,15 +414,50 @@ class CapturedRounds:
         rows = int(active.sum())
         counts.drafted += gamma * rows
         counts.accepted += int(agree.sum())
+        counts.rejected += int(((agree < gamma) & active).sum())
         counts.verifications += 1
         counts.rows_verified += rows
+        counts.drafts_per_round[gamma] = counts.drafts_per_round.get(gamma, 0) + 1
+        if len(self.graphs) == graphs:  # a round that captured a graph is not timed
+            drafting, verifying = clock.seconds()
+            if gamma:
+                counts.draft_seconds += drafting
+                counts.draft_steps += gamma
+            counts.verify_seconds += verifying
+            counts.verify_steps += 1
         proposed = torch.cat([proposed[:, 1:], after[:, None]], dim=1)
         proposed.scatter_(1, agree[:, None].long(), after[:, None])
         out.add(proposed, torch.minimum(agree + 1, room))
 
 
+class _StepClock:
+    """Times between marks of a round's device work: CUDA events on a GPU (read once the round has synchronised),
+    the host clock elsewhere (the steps run synchronously there)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def seconds(self) -> list[float]:
+        """Seconds between consecutive marks."""
+        if not self.cuda:
+            return [b - a for a, b in zip(self.marks, self.marks[1:])]
+        self.marks[-1].synchronize()
+        return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
 def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor, out: RowTokens,
-                  draft_tokens: int, counts: DraftCounts, graph_mode: bool | None, on_tokens=None) -> None:  # fmt: skip
+                  draft_tokens: int | str, counts: DraftCounts, graph_mode: bool | None, on_tokens=None) -> None:  # fmt: skip
     """Lossless rounds after the prompt's token `first` [B] (already in `out`) until every row has finished: the
     first round eagerly (its draft steps complete the methods' state from the prompt), the others at fixed
     shapes (`CapturedRounds`) where they can run so, else eagerly too; `counts.paths` says how each ran.
@@ -361,11 +473,13 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
                 rounds.round(latest, sampler, out, counts)
                 counts.count(rounds.path)
             else:
-                speculate(decoder, sampler, latest, draft_tokens, out, counts)
+                speculate(decoder, sampler, latest, AUTO_EAGER_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens,
+                          out, counts)  # fmt: skip
                 counts.count(f"eager: {why}")
                 why = CapturedRounds.refusal(cache, sampler, graph_mode)
                 if why is None and not out.done:
-                    capacity = cache.layers[0].length + int(out.room().max()) * (draft_tokens + 1)
+                    most = AUTO_MOST_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens
+                    capacity = cache.layers[0].length + int(out.room().max()) * (most + 1)
                     rounds = CapturedRounds(model, decoder, draft_tokens, capacity)
             taken = [row[n:] for row, n in zip(out.rows, before)]
             active = sum(n < out.max_new for n in before)  # an EOS row is counted until its round
@@ -382,7 +496,7 @@ _GENERATE_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "max_new_tokens"
                        "eos_token_id", "streamer", "use_cache")  # fmt: skip
 
 
-def generate_losslessly(model, config: SparseConfig, draft_tokens: int, counts: DraftCounts, args: tuple,
+def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, counts: DraftCounts, args: tuple,
                         kwargs: dict, graph_mode: bool | None = None) -> torch.Tensor:  # fmt: skip
     """`model.generate(input_ids, attention_mask=..., max_new_tokens=N, do_sample=False)` of an enabled model in
     lossless mode: greedy, token for token the dense model's output (each row of a left-padded batch advances by

@@ -216,9 +216,16 @@ def generate(
 
 def _lossless_facts(row: dict) -> str:
     """A @lossless row's drafts in short (its decode paths count rounds, not steps)."""
-    if row.get("acceptance_rate") is None:
+    if "drafts_per_round" not in row:
         return ""
-    return f"accepted {row['acceptance_rate']:.2f}, {row['tokens_per_verification']:.2f} tokens/verification; rounds: "
+    accepted = "no drafts" if row["acceptance_rate"] is None else f"accepted {row['acceptance_rate']:.2f}"
+    timed = ""
+    if row.get("verify_ms") is not None:
+        draft = f"draft step {row['draft_step_ms']:.2f} ms, " if row.get("draft_step_ms") is not None else ""
+        timed = f"{draft}verification {row['verify_ms']:.2f} ms, "
+    drafts = ", ".join(f"{n} drafts x{count}" for n, count in sorted(row.get("drafts_per_round", {}).items()))
+    return (f"{accepted}, {row['tokens_per_verification']:.2f} tokens/verification; "
+            f"{timed}{drafts}; rounds: ")  # fmt: skip
 
 
 @app.command()

@@ -10,7 +10,8 @@ The same random prompts through, in turn:
   with `compile_step=True` (the step's forward compiled by torch.compile before it is captured); a row
   `<method>...:<budget>` runs at its own budget (e.g. `twilight@compile:0.25`: top-p over 25% candidates); a row
   `<method>@lossless` decodes losslessly (`enabled(..., lossless=True)`: sparse steps draft, a dense forward
-  verifies, the output is dense's), with its acceptance rate and tokens per verification.
+  verifies, the output is dense's; the number of drafts chosen round by round), with its acceptance rate, tokens
+  per verification, drafts per round and the timed draft step and verification.
 
 `--model embedded` is the embedded model with its real weights (SmolLM2-135M-Instruct) on windows of the embedded
 essays, one window per row (lossless decoding's acceptance depends on real weights and text); the other models
@@ -190,7 +191,7 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tok
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        with sparsekv.enabled(model, config, lossless=True, draft_tokens=LOSSLESS_DRAFTS) as rt:
+        with sparsekv.enabled(model, config, lossless=True) as rt:
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=warmup + new_tokens + 1,
                            do_sample=False, streamer=clock, eos_token_id=[], pad_token_id=0)  # fmt: skip
             drafts = rt.drafts
@@ -216,13 +217,11 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tok
         "decode_paths": dict(drafts.paths),
         "acceptance_rate": drafts.acceptance_rate,
         "tokens_per_verification": drafts.tokens_per_verification,
-        "draft_tokens": LOSSLESS_DRAFTS,
+        "drafts_per_round": dict(drafts.drafts_per_round),
+        "draft_step_ms": 1e3 * drafts.draft_seconds / drafts.draft_steps if drafts.draft_steps else None,
+        "verify_ms": 1e3 * drafts.verify_seconds / drafts.verify_steps if drafts.verify_steps else None,
         "timed_tokens_per_row": tokens / batch,
     }
-
-
-#: tokens drafted per verification in `@lossless` rows (`enable`'s default)
-LOSSLESS_DRAFTS = 4
 
 
 def embedded_prompts(tokenizer, batch: int, context: int) -> torch.Tensor:
