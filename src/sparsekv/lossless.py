@@ -6,7 +6,10 @@ for that row (its attention mask has a 0 there, as for padding), and only the sl
 Greedy, the output is the dense model's greedy output token for token; sampling, the speculative-sampling rule keeps
 the dense model's distribution exactly. `sparsekv.generate(..., lossless=True)` runs it with sampling too;
 `sparsekv.enable(model, config, lossless=True)` makes `model.generate()` itself decode this way (greedy).
-"""
+
+The first round runs eagerly (`speculate`); on CUDA the later ones replay two CUDA graphs over a preallocated cache
+(`CapturedRounds`), where the method allows, and `draft_tokens="auto"` sizes each of them from what it measured
+(`best_draft_count`). `decode_rounds` runs the rounds for both entry points."""
 
 from __future__ import annotations
 
