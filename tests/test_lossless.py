@@ -230,6 +230,23 @@ def test_prompt_lookup_and_assisted_generation_under_sparsekv(tiny, method):
     assert torch.equal(_greedy(tiny, config, ids, assistant_model=assistant), plain)
 
 
+def test_a_sliding_window_model_keeps_its_rows_aligned():
+    """Gemma 3's sliding windows count cache slots, so a row's masked draft slots would push real tokens out of its
+    window: with sliding layers a batch takes its shortest accepted prefix, and the output is plain greedy's
+    (with per-row masked slots this batch's output differed)."""
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-gemma3", dtype=torch.float64, seed=0)  # window 16
+    ids = torch.randint(3, model.config.vocab_size, (4, 60), generator=torch.Generator().manual_seed(3))
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 24, "do_sample": False, "pad_token_id": 0}
+    plain = model.generate(ids, **kwargs)
+    config = SparseConfig(method="oracle-topk", budget=0.5, dense_layers=())
+    with sparsekv.enabled(model, config, lossless=True, draft_tokens=3, graph_decode=True) as runtime:
+        assert torch.equal(model.generate(ids, **kwargs), plain)
+    assert runtime.drafts.accepted > 0
+    assert any("sliding-window" in path for path in runtime.drafts.paths)  # no fixed-shape rounds
+
+
 def test_a_cache_cannot_roll_back_into_its_prompt(tiny):
     config = SparseConfig(method="oracle-topk", budget=0.3, dense_layers=(0,))
     cache = SparseCache.for_model(tiny, config)

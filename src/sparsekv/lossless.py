@@ -261,7 +261,8 @@ def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_toke
               counts: DraftCounts) -> None:  # fmt: skip
     """One round after each row's token `last` [B]: up to `draft_tokens` sparse steps propose, one dense forward
     checks them all, and each unfinished row takes its own accepted drafts and the dense model's token after them
-    (into `out`); the cache keeps, per row, the slots of what that row accepted."""
+    (into `out`); the cache keeps, per row, the slots of what that row accepted. A model with sliding-window layers
+    keeps its rows aligned instead: every row takes the batch's shortest accepted prefix."""
     room = out.room()
     active = room > 0
     gamma = min(draft_tokens, int(room.max()))
@@ -280,8 +281,15 @@ def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_toke
     agree, after = verify(sampler, drafts, draft_probs, dense_logits)
     rows = int(active.sum())
     counts.drafted += gamma * rows
-    counts.accepted += int(agree[active].sum())
     counts.rejected += int(((agree < gamma) & active).sum())
+    if any(info.sliding for info in decoder.cache.infos):
+        # a sliding window counts cache slots, masked ones too: the rows stay aligned at the batch's shortest
+        # accepted prefix (a row that accepted more takes its accepted draft there: a valid token of its own)
+        shortest = int(agree[active].min()) if rows else 0
+        if shortest < gamma:
+            after = torch.where(agree > shortest, drafts[shortest + 1], after)
+        agree = torch.full_like(agree, shortest)
+    counts.accepted += int(agree[active].sum())
     counts.verifications += 1
     counts.rows_verified += rows
     # a row keeps the dense K/V of its last token and of its accepted drafts; a finished row, its last token only
@@ -344,7 +352,7 @@ class CapturedRounds:
         if sampler.temperature is not None:
             return "sampling"
         if any(info.sliding for info in cache.infos):
-            return "a sliding-window layer (its window would count slots, not a row's kept tokens)"
+            return "a sliding-window layer (its window counts slots: rows with masked slots would see fewer tokens)"
         for layer in cache.layers:
             if layer.pruner is not None:
                 return "top-p pruning"
