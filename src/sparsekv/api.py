@@ -338,10 +338,10 @@ def generate(
     do_sample: draw each token from softmax(logits / temperature) (a `seed` makes it repeatable) instead of greedy.
 
     lossless: self-speculative decoding: `draft_tokens` (an int, or "auto" as for `enable`) sparse decode steps
-    propose tokens, one dense forward over
-    them verifies, the longest agreeing prefix and the dense model's next token are kept and the rest is rolled
-    back. Greedy, the output is the dense model's greedy output; sampling, the speculative-sampling rule keeps the
-    dense model's distribution exactly. The stats add the drafts' acceptance rate.
+    propose tokens, one dense forward over them verifies, and each row keeps its longest agreeing prefix and the
+    dense model's next token (`sparsekv.lossless`). Greedy, the output is the dense model's greedy output; sampling,
+    the speculative-sampling rule keeps the dense model's distribution exactly. The stats add the drafts'
+    acceptance rate.
 
     graph_decode: as for `enable`: the one-token decode steps of an unpadded batch replay one CUDA graph (None: on
     CUDA); lossless rounds replay two (the draft step and the verification) after their first round, greedy and

@@ -159,7 +159,8 @@ class SparseLayer(DynamicLayer):
         return keys, values
 
     def _update_fixed_shape(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """One token written at the device position: no host value changes, so a CUDA graph can replay it. The
+        """The forward's tokens written from the device position on (one token a decode step; a lossless
+        verification writes its drafts' slots again): no host value changes, so a CUDA graph can replay it. The
         host count (`length`) is advanced by `SparseCache.advance_fixed_shape` once the step has run."""
         new = key_states.shape[-2]
         if new != 1 and self.stores_kv:
