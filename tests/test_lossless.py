@@ -230,6 +230,23 @@ def test_prompt_lookup_and_assisted_generation_under_sparsekv(tiny, method):
     assert torch.equal(_greedy(tiny, config, ids, assistant_model=assistant), plain)
 
 
+SLOT_STATE_METHODS = [m for m in available_methods() if get_method_class(m).slot_state]
+
+
+@pytest.mark.parametrize("method", SLOT_STATE_METHODS)
+def test_every_slot_state_method_runs_lossless_rounds_at_fixed_shapes(tiny, method):
+    """The methods whose state is one entry per slot take several tokens at once in `append_fixed_shape` (the
+    verification) and a slot written again replaces its entry: their fixed-shape rounds give plain greedy's
+    tokens for a batch whose rows accept different drafts."""
+    ids = torch.randint(3, tiny.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(4))
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 20, "do_sample": False, "pad_token_id": 0}
+    plain = tiny.generate(ids, **kwargs)
+    config = SparseConfig(method=method, budget=0.5, dense_layers=(0,))
+    with sparsekv.enabled(tiny, config, lossless=True, draft_tokens=3, graph_decode=True) as runtime:
+        assert torch.equal(tiny.generate(ids, **kwargs), plain)
+    assert runtime.drafts.paths.get("fixed-shape", 0) >= 2 and runtime.drafts.accepted > 0
+
+
 def test_a_sliding_window_model_keeps_its_rows_aligned():
     """Gemma 3's sliding windows count cache slots, so a row's masked draft slots would push real tokens out of its
     window: with sliding layers a batch takes its shortest accepted prefix, and the output is plain greedy's
