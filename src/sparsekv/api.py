@@ -344,8 +344,8 @@ def generate(
     acceptance rate.
 
     graph_decode: as for `enable`: the one-token decode steps of an unpadded batch replay one CUDA graph (None: on
-    CUDA); lossless rounds replay two (the draft step and the verification) after their first round, greedy and
-    where the method allows (`sparsekv.lossless.CapturedRounds`); `decode_paths` in the result says how each step
+    CUDA); lossless rounds replay two (the draft step and the verification) after their first round, where the
+    method allows (`sparsekv.lossless.CapturedRounds`); `decode_paths` in the result says how each step
     (lossless: each round) ran.
     compile_step: as for `enable`: that step's forward compiled by torch.compile before it is captured.
 

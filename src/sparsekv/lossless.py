@@ -305,7 +305,7 @@ class CapturedRounds:
     CUDA graph (`graph_decode.capture`; on CPU the same steps run without graphs). Nothing is rolled back: a round
     writes `draft_tokens + 1` slots, the verification rewrites the slots the drafts wrote (the methods' state is
     one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
-    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted. Greedy only."""
+    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted."""
 
     def __init__(self, model, decoder: Decoder, draft_tokens: int | str, capacity: int) -> None:
         self.model, self.cache = model, decoder.cache
@@ -349,8 +349,6 @@ class CapturedRounds:
             return "graph_decode=False"
         if graph_mode is None and device.type != "cuda":
             return "no CUDA device"
-        if sampler.temperature is not None:
-            return "sampling"
         if any(info.sliding for info in cache.infos):
             return "a sliding-window layer (its window counts slots: rows with masked slots would see fewer tokens)"
         for layer in cache.layers:
@@ -400,10 +398,12 @@ class CapturedRounds:
         draft[:, 0] = last
         verify_ids[:, 0] = last
         clock, graphs = _StepClock(self.device), len(self.graphs)
+        draft_probs = []
         for j in range(gamma):  # sparse steps propose, each at its slot
             cache.fixed_position.fill_(start + j)
             torch.add(self.positions, j, out=self.draft_inputs["position_ids"])
-            token = self._step("draft", self.draft_inputs, dense=False)[:, -1].argmax(-1)
+            token, probs = sampler.draw(self._step("draft", self.draft_inputs, dense=False)[:, -1])
+            draft_probs.append(probs)
             draft[:, 0] = token
             verify_ids[:, j + 1] = token
         clock.mark()
@@ -413,9 +413,9 @@ class CapturedRounds:
         clock.mark()
         proposed = verify_ids.clone()
         if gamma:
-            agree, after = verify(sampler, list(proposed.unbind(1)), [], dense_logits)
+            agree, after = verify(sampler, list(proposed.unbind(1)), draft_probs, dense_logits)
         else:  # a plain dense step
-            agree, after = torch.zeros_like(last), dense_logits[:, 0].argmax(-1)
+            agree, after = torch.zeros_like(last), sampler.draw(dense_logits[:, 0])[0]
         agree = torch.where(active, agree, 0)  # a finished row keeps its last token's slot only
         cache.fixed_kept[:, start : start + gamma + 1] = self.offsets[: gamma + 1] <= agree[:, None]
         self.positions += agree[:, None] + 1
