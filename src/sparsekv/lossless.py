@@ -168,13 +168,15 @@ def verify(sampler: Sampler, drafts: list[torch.Tensor], draft_probs: list, dens
 
 
 class RowTokens:
-    """Each row's new tokens as the rounds produce them; a row finishes at an `eos` token or at `max_new`."""
+    """Each row's new tokens as the rounds produce them; a row finishes at an `eos` token or at `max_new`. Kept on
+    the host (a round reads its tokens back once), so that following the rows costs no device reads."""
 
     def __init__(self, batch: int, max_new: int, eos: torch.Tensor, device: torch.device) -> None:
         self.rows: list[list[int]] = [[] for _ in range(batch)]
         self.max_new = max_new
         self.eos = set(eos.tolist())
-        self.finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.finished = [False] * batch
+        self.device = device
 
     def add(self, tokens: torch.Tensor, counts: torch.Tensor) -> list[list[int]]:
         """Row i's first counts[i] of tokens [B, n] (finished rows take none) -> the tokens each row took."""
@@ -192,17 +194,17 @@ class RowTokens:
 
     @property
     def done(self) -> bool:
-        return bool(self.finished.all())
+        return all(self.finished)
 
     def room(self) -> torch.Tensor:
-        """[B] tokens each row may still take (0 once finished)."""
-        left = [0 if done else self.max_new - len(row) for row, done in zip(self.rows, self.finished.tolist())]
-        return torch.tensor(left, device=self.finished.device)
+        """[B] tokens each row may still take (0 once finished), on the device."""
+        left = [0 if done else self.max_new - len(row) for row, done in zip(self.rows, self.finished)]
+        return torch.tensor(left, device=self.device)
 
     def padded(self, pad: int) -> torch.Tensor:
         """[B, longest row] with `pad` after each row's end."""
         longest = max(len(row) for row in self.rows)
-        return torch.tensor([row + [pad] * (longest - len(row)) for row in self.rows], device=self.finished.device)
+        return torch.tensor([row + [pad] * (longest - len(row)) for row in self.rows], device=self.device)
 
 
 #: `draft_tokens="auto"`: fixed-shape rounds choose how many tokens to draft, up to AUTO_MOST_DRAFTS, from the
