@@ -157,6 +157,27 @@ def test_auto_draft_counts_follow_measured_acceptance_and_step_times(real_model,
     assert best_draft_count(drafts.draft_acceptance, drafts.draft_cost, 8) in range(9)
 
 
+def test_row_masked_fixed_steps_count_each_rows_own_visible_tokens():
+    """Stats of a fixed-shape step whose rows see slots of their own (`BudgetStats.add_rows`): a row's masked draft
+    slots are not part of its context, as in an eager step's `record`."""
+    from sparsekv.selectors.base import Selection
+    from sparsekv.stats import BudgetStats
+
+    visible = torch.zeros(2, 1, 10, dtype=torch.bool)
+    visible[0, 0, :8] = True  # row 0 sees 8 slots
+    visible[1, 0, [0, 1, 2, 3, 6]] = True  # row 1: 5 (slots 4 and 5 are its rejected drafts)
+    indices = torch.tensor([0, 1, 4, 5]).expand(2, 3, 1, 4)  # 3 selection heads
+    selection = Selection(indices, visible[:, None].expand(-1, 3, -1, -1).gather(-1, indices))
+    fixed, eager = BudgetStats(1), BudgetStats(1)
+    fixed.prepare_sums(torch.device("cpu"))
+    fixed.add_rows(0, selection, visible)
+    eager.record(0, selection, visible)
+    for name in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
+        assert fixed.summary()[name] == pytest.approx(eager.summary()[name])
+    assert fixed.summary()["avg_context_tokens"] == pytest.approx(6.5)  # (8 + 5) / 2, not the 8 written slots
+    assert fixed.summary()["avg_budget_tokens"] == pytest.approx(3.0)  # row 1's slots 4 and 5 are not attended
+
+
 def test_best_draft_count_weighs_acceptance_against_draft_cost():
     from sparsekv.lossless import best_draft_count
 

@@ -351,7 +351,9 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         selection = Selection(selection.indices, selection.valid & seen)
     if pruner is not None:
         selection = pruner.prune(step, selection)
-    if cache.record_stats:
+    if cache.record_stats and cache.fixed_kept is not None:
+        cache.stats.add_rows(module.layer_idx, selection, visible)
+    elif cache.record_stats:
         cache.stats.add(module.layer_idx, selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -65,6 +65,15 @@ class BudgetStats:
         `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
         self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
 
+    def add_rows(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
+        """`add` for a fixed-shape step whose rows see slots of their own (lossless rounds: a row's masked draft
+        slots are not among its visible ones); visible [B, Q, N]."""
+        kept = selection.valid.sum(-1, dtype=torch.float64).flatten()
+        seen = _visible_rows(visible, selection.indices.shape[1]).double()
+        rows = torch.full_like(kept[:1], len(kept))
+        self._sums[layer_idx].add_(torch.cat([kept.sum(0, keepdim=True), seen.sum(0, keepdim=True),
+                                              (kept / seen.clamp(min=1)).sum(0, keepdim=True), rows]))  # fmt: skip
+
     def add_host(self, layer_idx: int, *, kept: float, seen: float, fraction: float, rows: int) -> None:
         """Sums known on the host (kept, visible, kept / visible over rows, rows) added to a layer's."""
         self._host_sums[layer_idx] += torch.tensor([kept, seen, fraction, rows], dtype=torch.float64)
