@@ -365,6 +365,36 @@ def test_sparse_attention_triton(impl, hq, hkv, per_head, d, n, k, masked, merge
 
 
 @here
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("hq,hkv,q,n", [(9, 3, 5, 301), (8, 2, 9, 130), (4, 4, 3, 77)])
+def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
+    """Queries that share one index list (expanded over Q: a dense forward of several new tokens) run packed,
+    G x Q rows a program, each with its own valid row (here causal over the last Q slots, and some slots masked
+    for one batch row only)."""
+    gen = torch.Generator().manual_seed(q * n)
+    b, d = 2, 64
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    indices = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+    causal = torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]  # [Q, N]
+    kept = torch.rand(b, 1, 1, n, generator=gen) < 0.8
+    kept[..., -q:] = True
+    valid = (causal[None, None] & kept).expand(b, hkv, q, n)
+    scale = d**-0.5
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, scale)
+    tickets = torch.zeros(b * hkv * q, dtype=torch.int32, device=DEV) if merge else None
+    shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)  # stride 0 over Q: packed
+    args = [query.to(DEV), keys.to(DEV), values.to(DEV), shared, valid.to(DEV)]
+    out = impl["_sparse_attention_triton"].sparse_attention_triton(*args, scale, tickets=tickets, block=16, splits=3,
+                                                                   merge=merge)  # fmt: skip
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-4, float(err)
+    if merge:
+        assert not tickets.any()
+
+
+@here
 @pytest.mark.parametrize(
     "mlp,resid,cols,early",
     [(True, False, 128, False), (False, False, 128, False), (True, True, 128, False), (False, True, 128, False),

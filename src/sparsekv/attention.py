@@ -278,18 +278,6 @@ def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Ten
     return cache.fixed_step[name]
 
 
-def _grouped_sdpa(query, key, value, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """SDPA of queries [B, Hq, Q, d] over K/V [B, Hkv, N, d] with a mask [B or 1, 1, Q, N] shared by every head ->
-    [B, Q, Hq, d]. The query heads of a GQA group go in as one head's group x Q rows, so the K/V are read once per
-    KV head: with a mask, transformers' SDPA would copy K/V once per query head first."""
-    batch, heads, q_len, dim = query.shape
-    groups = heads // key.shape[1]
-    packed = query.reshape(batch, key.shape[1], groups * q_len, dim)  # head h = kv head h // groups
-    rows = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], 1, groups * q_len, -1)
-    out = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=rows, scale=scale)
-    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous()
-
-
 def _verify_mask(cache: SparseCache, q_len: int) -> torch.Tensor:
     """[B or 1, 1, Q, capacity] bool: the slots each of a fixed-shape forward's `q_len` queries attends densely
     (its own and earlier slots, those its row keeps); built once per step."""
@@ -300,6 +288,17 @@ def _verify_mask(cache: SparseCache, q_len: int) -> torch.Tensor:
         kept = cache.fixed_kept[:, None, :] if cache.fixed_kept is not None else causal.new_ones(1, 1, 1)
         shared[name] = (causal[None] & kept)[:, None]
     return shared[name]
+
+
+def _verify_attention(query, key, value, cache: SparseCache, scale: float) -> torch.Tensor:
+    """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
+    queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
+    mask was twice a dense step: it copies K/V per query head, or reads them per query block)."""
+    batch, _, q_len, _ = query.shape
+    heads = key.shape[1]
+    every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
+    seen = _verify_mask(cache, q_len).expand(batch, heads, -1, -1)
+    return sparse_attention(query, key, value, every, seen, scale).transpose(1, 2).contiguous()
 
 
 def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
@@ -329,7 +328,7 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         if state is not None:
             state.append_fixed_shape(layer.new_keys, layer.new_values, slots)
     if cache.attend_densely:  # the verification forward of a lossless round: every kept slot, causally
-        return _grouped_sdpa(query, key, value, _verify_mask(cache, q_len), scale), None
+        return _verify_attention(query, key, value, cache, scale), None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
         info = cache.infos[module.layer_idx]
         if info.sliding:  # its window of the latest tokens only

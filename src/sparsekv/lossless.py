@@ -63,6 +63,19 @@ class DraftCounts:
     def count(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1
 
+    def add_round(self, gamma: int, agree: torch.Tensor, active: torch.Tensor, verdict: torch.Tensor | None = None):
+        """One verification of `gamma` drafts: agree [B] the drafts each row took, active [B] the unfinished rows;
+        `verdict` [B]: the drafts the verification accepted where a row took fewer (a sliding-window batch keeps
+        its shortest accepted prefix). One device read."""
+        verdict = agree if verdict is None else verdict
+        rows, accepted, rejected = torch.stack([active.sum(), (agree * active).sum(),
+                                                ((verdict < gamma) & active).sum()]).tolist()  # fmt: skip
+        self.drafted += gamma * rows
+        self.accepted += accepted
+        self.rejected += rejected
+        self.verifications += 1
+        self.rows_verified += rows
+
     @property
     def acceptance_rate(self) -> float | None:
         return self.accepted / self.drafted if self.drafted else None
@@ -208,23 +221,28 @@ class RowTokens:
 
 
 #: `draft_tokens="auto"`: fixed-shape rounds choose how many tokens to draft, up to AUTO_MOST_DRAFTS, from the
-#: measured acceptance and step times (`best_draft_count`); eager rounds draft AUTO_EAGER_DRAFTS
+#: measured acceptance and step times (`best_draft_count`); eager rounds, and fixed-shape ones until both steps are
+#: timed, draft AUTO_EAGER_DRAFTS
 AUTO_DRAFTS = "auto"
 AUTO_MOST_DRAFTS = 8
 AUTO_EAGER_DRAFTS = 4
-#: with "auto", a round that chose no drafts (plain dense steps) drafts again every this many rounds, so that the
-#: acceptance estimate follows the text
+#: the draft counts "auto" chooses from: every count is a verification graph of its own to capture (and its first
+#: round is not timed), so a few counts serve the whole range
+AUTO_DRAFT_CHOICES = (1, 2, 4, 8)
+#: with "auto", a round that chose no drafts (plain dense steps) drafts one token every this many rounds, so that
+#: the acceptance estimate follows the text at the cost of one draft step
 AUTO_PROBE_EVERY = 16
 
 
 def best_draft_count(acceptance: float, draft_cost: float, most: int) -> int:
-    """The number of drafts (0 to `most`) that gives a row the most tokens per second: with each draft accepted
+    """The number of drafts (0 or one of AUTO_DRAFT_CHOICES up to `most`) that gives a row the most tokens per
+    second: with each draft accepted
     with probability `acceptance` (given the ones before it), a round of g drafts yields (1 - a^(g+1)) / (1 - a)
     tokens (the accepted drafts and the verification's own token) and costs g draft steps and one verification,
     `draft_cost` being a draft step's time over a verification's. 0 is a plain dense step (one token a
     verification): drafting no longer pays."""
     best, best_rate = 0, 1.0
-    for drafts in range(1, most + 1):
+    for drafts in (d for d in AUTO_DRAFT_CHOICES if d <= most):
         tokens = drafts + 1.0 if acceptance >= 1 else (1 - acceptance ** (drafts + 1)) / (1 - acceptance)
         rate = tokens / (drafts * draft_cost + 1)
         if rate > best_rate * (1 + 1e-9):
@@ -281,22 +299,23 @@ def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_toke
     finally:
         decoder.cache.attend_densely = False
     agree, after = verify(sampler, drafts, draft_probs, dense_logits)
-    rows = int(active.sum())
-    counts.drafted += gamma * rows
-    counts.rejected += int(((agree < gamma) & active).sum())
+    verdict = agree
     if any(info.sliding for info in decoder.cache.infos):
         # a sliding window counts cache slots, masked ones too: the rows stay aligned at the batch's shortest
         # accepted prefix (a row that accepted more takes its accepted draft there: a valid token of its own)
-        shortest = int(agree[active].min()) if rows else 0
+        shortest = int(torch.where(active, agree, gamma).min())
         if shortest < gamma:
             after = torch.where(agree > shortest, drafts[shortest + 1], after)
         agree = torch.full_like(agree, shortest)
-    counts.accepted += int(agree[active].sum())
-    counts.verifications += 1
-    counts.rows_verified += rows
+    counts.add_round(gamma, agree, active, verdict)
     # a row keeps the dense K/V of its last token and of its accepted drafts; a finished row, its last token only
     decoder.keep(torch.where(active, agree + 1, 1), gamma + 1)
-    proposed = torch.stack([*drafts[1:], after], dim=1)  # [B, gamma + 1]
+    take(out, torch.stack(drafts[1:], dim=1), agree, after, room)
+
+
+def take(out: RowTokens, drafts: torch.Tensor, agree: torch.Tensor, after: torch.Tensor, room: torch.Tensor) -> None:
+    """Each row's first agree[i] drafts ([B, gamma]) and then its token `after` into `out`, within its room."""
+    proposed = torch.cat([drafts, after[:, None]], dim=1)  # [B, gamma + 1]
     proposed.scatter_(1, agree[:, None].long(), after[:, None])  # each row's own token right after its prefix
     out.add(proposed, torch.minimum(agree + 1, room))
 
@@ -334,13 +353,15 @@ class CapturedRounds:
     def _drafts(self, counts: DraftCounts) -> int:
         """This round's number of drafts: `draft_tokens`, or ("auto") `best_draft_count` of what was measured."""
         acceptance, cost = counts.draft_acceptance, counts.draft_cost
-        if not self.auto or acceptance is None or cost is None:
+        if not self.auto:
             return self.most
+        if acceptance is None or cost is None:
+            return min(AUTO_EAGER_DRAFTS, self.most)
         drafts = best_draft_count(acceptance, cost, self.most)
         if drafts == 0:
             self.dense_rounds += 1
             if self.dense_rounds % AUTO_PROBE_EVERY == 0:
-                return self.most
+                return 1
         return drafts
 
     @staticmethod
@@ -424,12 +445,7 @@ class CapturedRounds:
         self.slot = start + gamma + 1
         for layer in cache.layers:
             layer.length = self.slot
-        rows = int(active.sum())
-        counts.drafted += gamma * rows
-        counts.accepted += int(agree.sum())
-        counts.rejected += int(((agree < gamma) & active).sum())
-        counts.verifications += 1
-        counts.rows_verified += rows
+        counts.add_round(gamma, agree, active)
         counts.drafts_per_round[gamma] = counts.drafts_per_round.get(gamma, 0) + 1
         if len(self.graphs) == graphs:  # a round that captured a graph is not timed
             drafting, verifying = clock.seconds()
@@ -438,9 +454,7 @@ class CapturedRounds:
                 counts.draft_steps += gamma
             counts.verify_seconds += verifying
             counts.verify_steps += 1
-        proposed = torch.cat([proposed[:, 1:], after[:, None]], dim=1)
-        proposed.scatter_(1, agree[:, None].long(), after[:, None])
-        out.add(proposed, torch.minimum(agree + 1, room))
+        take(out, proposed[:, 1:], agree, after, room)
 
 
 class _StepClock:

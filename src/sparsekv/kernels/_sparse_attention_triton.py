@@ -2,7 +2,9 @@
 
 One program owns one (batch, selection head, query) row and one slice of its index list; it gathers each listed
 K/V row once and uses it for every query head that the row serves (the GQA group when S = Hkv, one head when
-S = Hq). Partial outputs + log-sum-exp per slice are merged either by the row's last program to finish (with
+S = Hq). Where every query of a call shares its index list (indices expanded over Q, as in a dense forward of
+several new tokens) one program serves all Q queries of its heads ("packed"): each K/V row is read once for the
+G x Q query rows, each of which keeps its own `valid` row (causality among the new tokens). Partial outputs + log-sum-exp per slice are merged either by the row's last program to finish (with
 `tickets`: a caller-owned int32 counter per row, zero between launches) or by a second small kernel.
 """
 
@@ -24,6 +26,8 @@ from sparsekv.kernels._triton import (
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
 TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
+#: the most query rows (heads x queries) one program of a packed call holds (its accumulator is rows x d floats)
+PACKED_ROWS = 64
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -61,7 +65,7 @@ def store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, cols
 
 @triton.jit
 def merge_if_last(o_ptr, lse_ptr, out_ptr, tickets_ptr, r, row0, row_step, num_splits, D: tl.constexpr,
-                  DP: tl.constexpr, G: tl.constexpr, GC: tl.constexpr, SP: tl.constexpr):  # fmt: skip
+                  DP: tl.constexpr, G, GC: tl.constexpr, SP: tl.constexpr):  # fmt: skip
     """After a split's `store_split_partial`: the row's last split to arrive merges the partials of its G output
     rows (row0 + h * row_step) into out (what `_combine_kernel` does, without its launch) and zeroes the
     row's ticket for the next launch."""
@@ -133,20 +137,27 @@ def _partial_kernel(
     SP: tl.constexpr = 1,
     PREC: tl.constexpr = "tf32",
     USE_PDL: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     sp, r = chunk_and_row()
-    qi = r % Q
-    s = (r // Q) % S
-    b = r // (Q * S)
+    # packed: the program's query rows are G heads x Q queries, head-major, and its grid row is (b, s); Q stays a
+    # runtime value (one compiled kernel serves every Q up to GP rows)
+    pack = Q if PACKED else 1
+    rows_q = Q // pack
+    qi = r % rows_q
+    s = (r // rows_q) % S
+    b = r // (rows_q * S)
     kvh = (s * G) // g
     heads = tl.arange(0, GP)
-    hmask = heads < G
+    head_of = heads // pack
+    query_of = qi * pack + heads % pack
+    hmask = heads < G * pack
     d = tl.arange(0, DP)
     dmask = d < D
-    q_row = q_ptr + b.to(tl.int64) * sqb + qi.to(tl.int64) * sqq
     q = tl.load(
-        q_row + (s * G + heads[:, None]).to(tl.int64) * sqh + d[None, :],
+        q_ptr + b.to(tl.int64) * sqb + query_of[:, None].to(tl.int64) * sqq
+        + (s * G + head_of[:, None]).to(tl.int64) * sqh + d[None, :],
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
@@ -162,21 +173,30 @@ def _partial_kernel(
     for j in range(start, end, BLOCK):
         offs = j + tl.arange(0, BLOCK)
         jm = offs < end
-        if VALID:
+        if VALID and not PACKED:
             ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
-        else:  # every listed index is attended: no mask loads in the gather's dependency chain
+        else:  # every listed index is read (packed: each query row's valid mask applies to its scores only)
             ok = jm
         idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
         kt = tl.load(k_base + idx[:, None] * skn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         # V issued with K: both gathers are in flight before the first dot needs K
         vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 domain
-        sc = tl.where(ok[None, :], sc, float("-inf"))
+        if VALID and PACKED:
+            # packed, the grid has one query row (qi = 0): query_of is the query's index
+            seen = tl.load(vl_base + query_of[:, None].to(tl.int64) * svlq + offs[None, :],
+                           mask=hmask[:, None] & jm[None, :], other=0) != 0  # fmt: skip
+            sc = tl.where(seen & jm[None, :], sc, float("-inf"))
+        else:
+            sc = tl.where(ok[None, :], sc, float("-inf"))
         m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
         acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
-    row = (b.to(tl.int64) * HQ + s * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
+    row = (b.to(tl.int64) * HQ + s * G + head_of) * Q + query_of  # [GP] rows of the (B, Hq, Q) output
     store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, d, D, hmask, dmask)
-    if MERGE:
+    if MERGE and PACKED:  # the G x Q rows are consecutive
+        merge_if_last(o_ptr, lse_ptr, out_ptr, tickets_ptr, r, (b.to(tl.int64) * HQ + s * G) * Q, 1, num_splits, D,
+                      DP, G * pack, GC, SP)  # fmt: skip
+    elif MERGE:
         merge_if_last(o_ptr, lse_ptr, out_ptr, tickets_ptr, r, (b.to(tl.int64) * HQ + s * G) * Q + qi, Q,
                       num_splits, D, DP, G, GC, SP)  # fmt: skip
 
@@ -212,6 +232,8 @@ def sparse_attention_triton(
     s, kk = indices.shape[1], indices.shape[3]
     g = hq // hkv
     heads_per_row = hq // s
+    # one index list for every query (a dense forward of several tokens): a program serves them all
+    pack = q if q > 1 and indices.stride(2) == 0 and heads_per_row * q <= PACKED_ROWS else 1
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     if query.stride(-1) != 1:
@@ -221,7 +243,7 @@ def sparse_attention_triton(
         valid = indices  # unused (VALID=False)
     elif valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
-    rows = b * s * q
+    rows = b * s * q // pack
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
     if splits is None:
         # at most one wave of sm_mult resident programs per SM: a partial second wave adds a whole program's
@@ -243,7 +265,7 @@ def sparse_attention_triton(
     # it) for many splits of a wide row (MQA, 8 heads x d 256, one row: 528 splits on an H100), which the
     # combine kernel then merges
     merge = merge and tickets is not None
-    merge = merge and next_pow2(heads_per_row) * next_pow2(splits) * next_pow2(d) <= MAX_TENSOR_NUMEL
+    merge = merge and next_pow2(heads_per_row * pack) * next_pow2(splits) * next_pow2(d) <= MAX_TENSOR_NUMEL
     _partial_kernel[row_grid("sparse_attention", query.shape, splits, rows)](
         query,
         keys,
@@ -268,17 +290,18 @@ def sparse_attention_triton(
         *indices.stride()[:3],
         *valid.stride()[:3],
         G=heads_per_row,
-        GP=max(16, next_pow2(heads_per_row)),
+        GP=max(16, next_pow2(heads_per_row * pack)),
         D=d,
         DP=next_pow2(d),
         BLOCK=block,
         VALID=has_valid,
         MERGE=merge,
-        GC=next_pow2(heads_per_row),
+        GC=next_pow2(heads_per_row * pack),
         SP=next_pow2(splits),
         PREC=dot_precision(query.dtype),
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
+        PACKED=pack > 1,
         **pdl_launch(query.device),
     )
     if merge:
