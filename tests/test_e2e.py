@@ -438,12 +438,27 @@ def test_bench_generate_rows_name_their_path_and_budget():
 
     assert parse_row("twilight@compile:0.25") == ("twilight", "@compile", 0.25)
     assert parse_row("lsh@eager") == ("lsh", "@eager", None) and parse_row("quest") == ("quest", "", None)
+    assert parse_row("lsh@lossless") == ("lsh", "@lossless", None)
+    assert parse_row("streaming@lossless-compile:0.1") == ("streaming", "@lossless-compile", 0.1)
     assert config_for("twilight@compile:0.25", 0.02, None).budget == 0.25
     assert config_for("lsh", 0.02, None, dense_below=0).dense_below == 0
     with pytest.raises(ConfigError, match="budget after ':'"):
         parse_row("lsh:x")
     paths = {"eager: prompt or several tokens": 1, "eager: first decode step": 1, "graph (dense fallback)": 18}
     assert decode_path(paths) == "graph 18/19, 18 dense fallback"
+
+
+def test_bench_generate_lossless_rows_report_their_drafts():
+    """`<method>@lossless` and `@lossless-compile` rows: `model.generate()` in lossless mode (the compiled one after
+    an untimed generation), with their acceptance and rounds (eager on CPU: fixed-shape rounds need CUDA there)."""
+    from sparsekv.bench.generate import run_generate
+
+    result = run_generate("tiny-llama", layers=3, context=96, batch=2,
+                          rows=("streaming@lossless:0.5", "streaming@lossless-compile:0.5"),
+                          new_tokens=12, warmup=2, device="cpu")  # fmt: skip
+    for row in result["summary"]:
+        assert row["tpot_ms"] > 0 and row["tokens_per_verification"] >= 1 and row["acceptance_rate"] is not None
+        assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1
 
 
 def test_bench_generate_times_the_step_alone_after_the_last_token():

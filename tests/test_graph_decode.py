@@ -15,7 +15,7 @@ from sparsekv.hf_compat import cache_kwargs
 from sparsekv.models import random_model
 
 FIXED_SHAPE_METHODS = [("dense", None), ("oracle-topk", 0.05), ("spotlight", 0.05), ("lsh", 0.05), ("quest", 0.05),
-                       ("double-sparsity", 0.05), ("twilight", 0.25), ("self-index", 0.05)]  # fmt: skip
+                       ("double-sparsity", 0.05), ("twilight", 0.25), ("self-index", 0.05), ("streaming", 0.05)]  # fmt: skip
 STEPS = 64
 
 
@@ -37,6 +37,20 @@ def prompt(real_model):
     _, tokenizer = real_model
     text = "The committee met on Tuesday to review the budget. " * 40 + "The secret code is 4711. " * 3
     return tokenizer([text], return_tensors="pt").input_ids
+
+
+@pytest.mark.parametrize("budget,sink,local", [(0.02, 2, 8), (0.1, 8, 0), (6, 2, 4), (3, 0, 0)])
+def test_streaming_fixed_shape_window_equals_the_eager_rule(real_model, prompt, budget, sink, local):
+    """Streaming's fixed-shape step computes its sinks and window from the step's slot: the eager rule's set for
+    budgets above the 4 sinks and the forced tokens, at the forced tokens (6 = 2 sinks + 4 local: the other sinks
+    do not fit) and below the sinks (3 tokens: the first 3 sinks)."""
+    model, _ = real_model
+    config = SparseConfig(method="streaming", budget=budget, sink=sink, local=local, dense_below=0)
+    eager, _, eager_cache = _generate(model, prompt, config, graph_decode=False, steps=24)
+    fixed, fixed_steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
+    assert torch.equal(fixed, eager) and fixed_steps["fixed-shape"] == 22
+    for key in ("avg_budget_tokens", "avg_context_tokens"):
+        assert fixed_cache.stats.summary()[key] == pytest.approx(eager_cache.stats.summary()[key])
 
 
 @pytest.mark.parametrize("method,budget", FIXED_SHAPE_METHODS)

@@ -268,6 +268,23 @@ def test_every_slot_state_method_runs_lossless_rounds_at_fixed_shapes(tiny, meth
     assert runtime.drafts.paths.get("fixed-shape", 0) >= 2 and runtime.drafts.accepted > 0
 
 
+def test_compiled_lossless_rounds_equal_plain_greedy(tiny):
+    """`compile_step=True` with lossless=True: the fixed-shape rounds' draft step and verifications run the
+    model's forward through torch.compile (`GraphDecode.step_forward`), with plain greedy's tokens."""
+    from torch._dynamo.utils import counters
+
+    ids = torch.randint(3, tiny.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+    plain = tiny.generate(ids, **kwargs)
+    config = SparseConfig(method="streaming", budget=0.5, dense_layers=(0,))
+    torch._dynamo.reset()
+    counters.clear()
+    with sparsekv.enabled(tiny, config, lossless=True, draft_tokens=2, graph_decode=True, compile_step=True) as runtime:
+        assert torch.equal(tiny.generate(ids, **kwargs), plain)
+    assert runtime.drafts.paths.get("fixed-shape", 0) >= 2 and runtime.drafts.accepted > 0
+    assert counters["stats"]["unique_graphs"] >= 2  # the layers' compiled pieces ran, not the eager forward
+
+
 def test_a_sliding_window_model_keeps_its_rows_aligned():
     """Gemma 3's sliding windows count cache slots, so a row's masked draft slots would push real tokens out of its
     window: with sliding layers a batch takes its shortest accepted prefix, and the output is plain greedy's

@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 from sparsekv.attention import ATTENTION_NAME, RUNTIME_ATTR, SparseRuntime, register
 from sparsekv.cache import SparseCache, cache_memory, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.graph_decode import GraphDecode
+from sparsekv.graph_decode import GraphDecode, forward_replaced
 from sparsekv.hf_compat import CACHE_ARGUMENTS, cache_argument, check_transformers_version
 from sparsekv.lossless import (
     AUTO_DRAFTS,
@@ -59,15 +59,10 @@ def _forward_through_graphs(model, capacity: int) -> Iterator[None]:
     for a generation of at most `capacity` tokens; afterwards its cache decodes eagerly again."""
     state: _EnabledState = getattr(model, _STATE_ATTR)
     state.runtime.graph.begin(capacity)
-    own_forward = vars(model).get("forward")  # e.g. accelerate's device-placement wrapper
-    model.forward = state.graph_forward
     try:
-        yield
+        with forward_replaced(model, state.graph_forward):
+            yield
     finally:
-        if own_forward is None:
-            del model.forward
-        else:
-            model.forward = own_forward
         state.runtime.graph.end()
 
 
@@ -120,7 +115,7 @@ def enable(
 
     graph_decode: `model.generate()`'s one-token decode steps replay one CUDA graph of the whole forward
     (`sparsekv.graph_decode`). None (default): on CUDA, for the methods with a fixed-shape step (dense, oracle-topk,
-    spotlight, lsh, quest, double-sparsity); True: also on CPU, where the fixed-shape step runs without a graph;
+    spotlight, lsh, quest, twilight, double-sparsity, self-index, streaming); True: also on CPU, where the fixed-shape step runs without a graph;
     False: never.
     `runtime.graph.steps` counts the decode steps of the last generate() call by path, with the reason of any
     step that ran eagerly.
@@ -133,9 +128,10 @@ def enable(
 
     lossless: `model.generate()` decodes by self-speculation (`sparsekv.lossless`): `draft_tokens` sparse steps
     propose, one dense forward verifies, so the output is the dense model's greedy output token for token.
-    draft_tokens: an int, or "auto" (default): the rounds replayed as CUDA graphs choose 0 to 8 drafts each from
-    the measured acceptance and the timed draft and verification steps (`sparsekv.lossless.best_draft_count`:
-    0 is a plain dense step, when drafting does not pay); eager rounds draft 4.
+    draft_tokens: an int, or "auto" (default): the rounds replayed as CUDA graphs choose 0, 1, 2, 4 or 8 drafts
+    each from the measured acceptance and the timed draft and verification steps
+    (`sparsekv.lossless.best_draft_count`: 0 is a plain dense step, when drafting does not pay); eager rounds draft
+    4. With compile_step the rounds' draft step and verifications run the compiled forward.
     It takes input_ids, attention_mask (left padding), max_new_tokens, eos/pad ids and a streamer, greedy only, and
     refuses any other generate() argument; `runtime.drafts` counts the last call's drafts (`acceptance_rate`).
     """
@@ -221,7 +217,9 @@ def enable(
         if lossless:
             runtime.drafts = DraftCounts()
             with lossless_forwards(runtime):
-                return generate_losslessly(model, config, draft_tokens, runtime.drafts, args, kwargs, graph_decode)
+                step_forward = runtime.graph.step_forward() if compile_step else None
+                return generate_losslessly(model, config, draft_tokens, runtime.drafts, args, kwargs, graph_decode,
+                                           step_forward)  # fmt: skip
         runtime.prompt_length = _prompt_length(args, kwargs)
         runtime.generation_length = _generation_length(model, runtime.prompt_length, kwargs)
         try:
@@ -393,7 +391,8 @@ def generate(
             out = RowTokens(len(prompts), max_new_tokens, torch.tensor([] if eos is None else [eos]), device)
             first = sampler.draw(logits)[0]
             out.add(first[:, None], torch.ones_like(first))
-            decode_rounds(model, decoder, sampler, first, out, draft_tokens, counts, graph_decode)
+            decode_rounds(model, decoder, sampler, first, out, draft_tokens, counts, graph_decode,
+                          step_forward=runtime.graph.step_forward() if compile_step else None)  # fmt: skip
             new_ids = out.rows
         else:
             new_ids = _decode_steps(model, decoder, sampler, logits, eos, max_new_tokens, capacity)

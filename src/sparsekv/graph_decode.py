@@ -16,8 +16,10 @@ path). The fixed-shape step attends over the whole preallocated buffer: slots no
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -41,6 +43,21 @@ def compile_for_decode(fn, backend: str = "inductor"):
             return compiled(*args, **kwargs)
 
     return call
+
+
+@contextlib.contextmanager
+def forward_replaced(model, forward) -> Iterator[None]:
+    """Within the block, calling `model` (its hooks included) runs `forward` as its forward; then its own
+    forward (the class's, or an instance attribute such as accelerate's wrapper) is back."""
+    own = vars(model).get("forward")
+    model.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 #: model keywords a captured step may be given: the step's own tensors are replaced by static buffers; the rest
@@ -203,9 +220,9 @@ class GraphDecode:
 
     def _run(self):
         self.cache.prepare_fixed_step()
-        return self._step_forward()(**self.fixed_kwargs, **self.inputs, attention_mask=None)
+        return self.step_forward()(**self.fixed_kwargs, **self.inputs, attention_mask=None)
 
-    def _step_forward(self):
+    def step_forward(self):
         """The forward of a fixed-shape step: the model's own, or (compile_step) its `compile_for_decode` version,
         built once. Shapes are the same at every step, so it compiles once."""
         if not self.compile_step:

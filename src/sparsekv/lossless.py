@@ -13,6 +13,7 @@ The first round runs eagerly (`speculate`); on CUDA the later ones replay two CU
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -20,7 +21,7 @@ import torch
 
 from sparsekv.cache import SparseCache, layer_infos
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.graph_decode import capture
+from sparsekv.graph_decode import capture, forward_replaced
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.registry import get_method_class
 
@@ -326,15 +327,19 @@ class CapturedRounds:
     CUDA graph (`graph_decode.capture`; on CPU the same steps run without graphs). Nothing is rolled back: a round
     writes `draft_tokens + 1` slots, the verification rewrites the slots the drafts wrote (the methods' state is
     one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
-    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted."""
+    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted.
 
-    def __init__(self, model, decoder: Decoder, draft_tokens: int | str, capacity: int) -> None:
+    step_forward: the forward both steps run (the model's own when None), e.g. its `torch.compile` version
+    (`GraphDecode.step_forward` with compile_step)."""
+
+    def __init__(self, model, decoder: Decoder, draft_tokens: int | str, capacity: int, step_forward=None) -> None:
         self.model, self.cache = model, decoder.cache
+        self.step_forward = step_forward
         self.auto = draft_tokens == AUTO_DRAFTS
         self.most = AUTO_MOST_DRAFTS if self.auto else draft_tokens
         cache = self.cache
         self.slot = cache.layers[0].length  # the next round's first slot
-        cache.begin_fixed_shape(capacity, rows=True)
+        cache.begin_fixed_shape(capacity, rows=True, compiled=step_forward is not None)
         cache.fixed_kept[:, : self.slot] = decoder.mask.bool()
         self.capacity = capacity
         self.positions = decoder.mask.sum(-1, keepdim=True)  # [B, 1]: each row's next position
@@ -387,10 +392,12 @@ class CapturedRounds:
 
         def run():
             cache.attend_densely = dense
+            own = self.step_forward is None
             try:
                 cache.prepare_fixed_step()
-                return self.model(**inputs, attention_mask=None, **cache_kwargs(self.model, cache),
-                                    use_cache=True, logits_to_keep=0 if dense else 1)  # fmt: skip
+                with contextlib.nullcontext() if own else forward_replaced(self.model, self.step_forward):
+                    return self.model(**inputs, attention_mask=None, **cache_kwargs(self.model, cache),
+                                      use_cache=True, logits_to_keep=0 if dense else 1)  # fmt: skip
             finally:
                 cache.attend_densely = False
 
@@ -484,12 +491,14 @@ class _StepClock:
 
 
 def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor, out: RowTokens,
-                  draft_tokens: int | str, counts: DraftCounts, graph_mode: bool | None, on_tokens=None) -> None:  # fmt: skip
+                  draft_tokens: int | str, counts: DraftCounts, graph_mode: bool | None, on_tokens=None,
+                  step_forward=None) -> None:  # fmt: skip
     """Lossless rounds after the prompt's token `first` [B] (already in `out`) until every row has finished: the
     first round eagerly (its draft steps complete the methods' state from the prompt), the others at fixed
     shapes (`CapturedRounds`) where they can run so, else eagerly too; `counts.paths` says how each ran.
     `on_tokens(taken)`: each row's new tokens after every round. `graph_mode`: as `enable`'s graph_decode; the
-    model's own graph decoding (`GraphDecode`) must be off while the rounds run (`lossless_forwards`)."""
+    model's own graph decoding (`GraphDecode`) must be off while the rounds run (`lossless_forwards`).
+    `step_forward`: the forward of the fixed-shape rounds (`CapturedRounds`; None: the model's own)."""
     cache = decoder.cache
     cache.fallback_threshold = 0  # drafts are sparse: a dense fallback would make them the verification's twin
     latest, rounds, why = first, None, "first round"
@@ -507,7 +516,7 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
                 if why is None and not out.done:
                     most = AUTO_MOST_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens
                     capacity = cache.layers[0].length + int(out.room().max()) * (most + 1)
-                    rounds = CapturedRounds(model, decoder, draft_tokens, capacity)
+                    rounds = CapturedRounds(model, decoder, draft_tokens, capacity, step_forward)
             taken = [row[n:] for row, n in zip(out.rows, before)]
             active = sum(n < out.max_new for n in before)  # an EOS row is counted until its round
             counts.timeline.append((time.perf_counter(), sum(map(len, taken)), active))
@@ -524,12 +533,12 @@ _GENERATE_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "max_new_tokens"
 
 
 def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, counts: DraftCounts, args: tuple,
-                        kwargs: dict, graph_mode: bool | None = None) -> torch.Tensor:  # fmt: skip
+                        kwargs: dict, graph_mode: bool | None = None, step_forward=None) -> torch.Tensor:  # fmt: skip
     """`model.generate(input_ids, attention_mask=..., max_new_tokens=N, do_sample=False)` of an enabled model in
     lossless mode: greedy, token for token the dense model's output (each row of a left-padded batch advances by
     its own accepted drafts). Returns the prompt and the new tokens [B, prompt + new], as `generate` does; rows
-    that finished (EOS) are padded with `pad_token_id`. `counts` adds up the rounds' drafts. `graph_mode`:
-    as `enable`'s graph_decode, for the rounds (`decode_rounds`)."""
+    that finished (EOS) are padded with `pad_token_id`. `counts` adds up the rounds' drafts. `graph_mode` and
+    `step_forward`: as `decode_rounds`'s."""
     unknown = sorted(k for k, v in kwargs.items() if k not in _GENERATE_ARGUMENTS and v is not None)
     if unknown or len(args) > 1:
         raise ConfigError(
@@ -574,7 +583,7 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, co
                 streamer.put(torch.tensor(taken[0]))
 
         stream(out.add(first[:, None], torch.ones_like(first)))
-        decode_rounds(model, decoder, sampler, first, out, draft_tokens, counts, graph_mode, stream)
+        decode_rounds(model, decoder, sampler, first, out, draft_tokens, counts, graph_mode, stream, step_forward)
         if streamer is not None:
             streamer.end()
     return torch.cat([ids, out.padded(pad)], dim=1)

@@ -155,7 +155,8 @@ def generate(
     rows: Annotated[str, typer.Option(
         help="comma-separated: hf-dense, hf-static-compile and methods (dense: sparsekv's captured dense step; "
         "<method>@eager: without CUDA graphs; <method>@compile: the step compiled by torch.compile, then "
-        "captured; <method>@lossless: sparse drafts, dense verification, dense's output; a ':<budget>' suffix "
+        "captured; <method>@lossless: sparse drafts, dense verification, dense's output; <method>@lossless-compile: "
+        "the same with its steps compiled; a ':<budget>' suffix "
         "gives a row its own budget, e.g. twilight@compile:0.25)")] = (
         "hf-dense,hf-static-compile,dense,spotlight,lsh,quest,twilight,double-sparsity,self-index"
     ),

@@ -11,7 +11,8 @@ The same random prompts through, in turn:
   `<method>...:<budget>` runs at its own budget (e.g. `twilight@compile:0.25`: top-p over 25% candidates); a row
   `<method>@lossless` decodes losslessly (`enabled(..., lossless=True)`: sparse steps draft, a dense forward
   verifies, the output is dense's; the number of drafts chosen round by round), with its acceptance rate, tokens
-  per verification, drafts per round and the timed draft step and verification.
+  per verification, drafts per round and the timed draft step and verification; `<method>@lossless-compile` the
+  same with `compile_step=True` (its rounds' steps compiled; a first, untimed generation compiles them).
 
 `--model embedded` is the embedded model with its real weights (SmolLM2-135M-Instruct) on windows of the embedded
 essays, one window per row (lossless decoding's acceptance depends on real weights and text); the other models
@@ -42,18 +43,20 @@ DEFAULT_METHODS = ("dense", "spotlight", "lsh", "quest", "twilight", "double-spa
 EAGER_SUFFIX = "@eager"
 COMPILE_SUFFIX = "@compile"
 LOSSLESS_SUFFIX = "@lossless"
+LOSSLESS_COMPILE_SUFFIX = "@lossless-compile"
 #: `--model` with the real weights of the embedded model, prompts from its essays
 EMBEDDED_MODEL = "embedded"
 
 
 def parse_row(row: str) -> tuple[str, str, float | None]:
-    """"<method>[@eager|@compile|@lossless][:budget]" -> (method, the suffix or "", budget or None)."""
+    """"<method>[@eager|@compile|@lossless|@lossless-compile][:budget]" -> (method, the suffix or "", budget or
+    None)."""
     name, _, budget = row.partition(":")
     try:
         own_budget = float(budget) if budget else None
     except ValueError:
         raise ConfigError(f"row {row!r}: the budget after ':' must be a number, e.g. twilight@compile:0.25") from None
-    for suffix in (EAGER_SUFFIX, COMPILE_SUFFIX, LOSSLESS_SUFFIX):
+    for suffix in (EAGER_SUFFIX, COMPILE_SUFFIX, LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
         if name.endswith(suffix):
             return name.removesuffix(suffix), suffix, own_budget
     return name, "", own_budget
@@ -116,7 +119,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     and (methods) the tokens attended per step."""
     import sparsekv
 
-    if parse_row(row)[1] == LOSSLESS_SUFFIX:
+    if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
         return _time_lossless(model, ids, row, budget=budget, new_tokens=new_tokens, warmup=warmup,
                               prefill_chunk_size=prefill_chunk_size)  # fmt: skip
     device = ids.device
@@ -184,16 +187,20 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tok
         raise ConfigError("a @lossless row prefills in one forward: drop --prefill-chunk-size")
     device, batch = ids.device, ids.shape[0]
     config = config_for(row, budget, None)
+    compile_step = parse_row(row)[1] == LOSSLESS_COMPILE_SUFFIX
     result: dict = {"row": row}
     clock = _TokenClock(device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": warmup + new_tokens + 1, "do_sample": False,
+              "eos_token_id": [], "pad_token_id": 0}  # fmt: skip
     try:
-        with sparsekv.enabled(model, config, lossless=True) as rt:
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=warmup + new_tokens + 1,
-                           do_sample=False, streamer=clock, eos_token_id=[], pad_token_id=0)  # fmt: skip
+        with sparsekv.enabled(model, config, lossless=True, compile_step=compile_step) as rt:
+            if compile_step:  # compiles the rounds' steps (dynamo keeps them for the next generation)
+                model.generate(ids, **kwargs)
+            model.generate(ids, streamer=clock, **kwargs)
             drafts = rt.drafts
             stats = sparsekv.last_cache(model).stats.summary()
     except torch.OutOfMemoryError as error:
