@@ -2,7 +2,8 @@
 the captured rounds (the embedded model's real weights, essay windows): the CUDA-graph replay's time of each,
 the captured dense step's beside them, and per-kernel CUDA time of eager runs under torch.profiler.
 
-Usage: python scripts/profile_lossless.py METHOD BUDGET CONTEXT BATCH DRAFTS
+Usage: python scripts/profile_lossless.py METHOD BUDGET CONTEXT BATCH DRAFTS [compile]
+("compile": both steps run the model's forward through torch.compile, as with compile_step=True)
 """
 
 import sys
@@ -13,10 +14,12 @@ from sparsekv import SparseConfig
 from sparsekv.api import enabled
 from sparsekv.bench.generate import embedded_prompts
 from sparsekv.cache import SparseCache, layer_infos
+from sparsekv.graph_decode import compile_for_decode
 from sparsekv.lossless import CapturedRounds, Decoder, DraftCounts, RowTokens, Sampler, prefill, speculate
 from sparsekv.models import load_model
 
 method, budget, context, batch, drafts = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+compiled = sys.argv[6:] == ["compile"]
 device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a check of this script, without timings
 model, tokenizer = load_model("default", dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device)
 ids = embedded_prompts(tokenizer, batch, context).to(device)
@@ -64,7 +67,7 @@ with torch.inference_mode(), enabled(model, SparseConfig(method=method, budget=b
     out.add(first[:, None], torch.ones_like(first))
     counts = DraftCounts()
     speculate(decoder, sampler, first, drafts, out, counts)  # the first round: the methods' state from the prompt
-    rounds = CapturedRounds(model, decoder, drafts, context + 64)
+    rounds = CapturedRounds(model, decoder, drafts, context + 64, compile_for_decode(model.forward) if compiled else None)
     latest = torch.tensor([row[-1] for row in out.rows], device=device)
     rounds.round(latest, sampler, out, counts)  # captures both graphs
     start = rounds.slot

@@ -162,9 +162,9 @@ def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch):
         compiled_cache = sparsekv.last_cache(model)
         assert runtime.graph.steps.get("fixed-shape") == 10
     assert torch.equal(out[:, ids.shape[1] :], eager)
-    from sparsekv.selectors.self_index.store import COMPILED
+    from sparsekv.selectors.base import COMPILED
 
-    assert {fn.__name__ for fn in COMPILED} == {"_encode_token", "_open_block", "_fixed_candidates", "_fixed_rerank"}
+    assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", "_fixed_candidates", "_fixed_rerank"}
     stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
 

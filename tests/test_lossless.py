@@ -171,7 +171,7 @@ def test_row_masked_fixed_steps_count_each_rows_own_visible_tokens():
     selection = Selection(indices, visible[:, None].expand(-1, 3, -1, -1).gather(-1, indices))
     fixed, eager = BudgetStats(1), BudgetStats(1)
     fixed.prepare_sums(torch.device("cpu"))
-    fixed.add_rows(0, selection, visible)
+    fixed.add_rows(0, selection, *BudgetStats.row_step_stats(visible, 3))
     eager.record(0, selection, visible)
     for name in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
         assert fixed.summary()[name] == pytest.approx(eager.summary()[name])

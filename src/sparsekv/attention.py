@@ -290,6 +290,14 @@ def _verify_mask(cache: SparseCache, q_len: int) -> torch.Tensor:
     return shared[name]
 
 
+def _row_stats(cache: SparseCache, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`BudgetStats.row_step_stats` of the row-masked step in flight, built once per step."""
+    name = f"rowstats{heads}"
+    if name not in cache.fixed_step:
+        cache.fixed_step[name] = cache.stats.row_step_stats(visible, heads)
+    return cache.fixed_step[name]
+
+
 def _verify_attention(query, key, value, cache: SparseCache, scale: float) -> torch.Tensor:
     """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
     queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
@@ -351,7 +359,7 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     if pruner is not None:
         selection = pruner.prune(step, selection)
     if cache.record_stats and cache.fixed_kept is not None:
-        cache.stats.add_rows(module.layer_idx, selection, visible)
+        cache.stats.add_rows(module.layer_idx, selection, *_row_stats(cache, visible, selection.indices.shape[1]))
     elif cache.record_stats:
         cache.stats.add(module.layer_idx, selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
     out = selector.attend(step, selection, scale)

@@ -65,14 +65,21 @@ class BudgetStats:
         `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
         self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
 
-    def add_rows(self, layer_idx: int, selection: Selection, visible: torch.Tensor) -> None:
+    def add_rows(self, layer_idx: int, selection: Selection, weights: torch.Tensor, fixed: torch.Tensor) -> None:
         """`add` for a fixed-shape step whose rows see slots of their own (lossless rounds: a row's masked draft
-        slots are not among its visible ones); visible [B, Q, N]."""
-        kept = selection.valid.sum(-1, dtype=torch.float64).flatten()
-        seen = _visible_rows(visible, selection.indices.shape[1]).double()
-        rows = torch.full_like(kept[:1], len(kept))
-        self._sums[layer_idx].add_(torch.cat([kept.sum(0, keepdim=True), seen.sum(0, keepdim=True),
-                                              (kept / seen.clamp(min=1)).sum(0, keepdim=True), rows]))  # fmt: skip
+        slots are not among its visible ones): the layer's kept tokens per row through `weights` [4, rows], plus
+        `fixed`; both are built once per step (`row_step_stats`)."""
+        self._sums[layer_idx].add_(fixed).addmv_(weights, selection.valid.sum(-1, dtype=torch.float64).flatten())
+
+    @staticmethod
+    def row_step_stats(visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rows`'s two tensors for a step whose rows see visible [B, Q, N] with `heads` selection heads:
+        weights [4, rows] (per row: 1, 0, 1 / visible, 0) and fixed ([0, visible summed over the rows, 0, rows])."""
+        seen = _visible_rows(visible, heads).double()
+        zero = seen.new_zeros(())
+        weights = torch.stack([torch.ones_like(seen), torch.zeros_like(seen), 1 / seen.clamp(min=1),
+                               torch.zeros_like(seen)])  # fmt: skip
+        return weights, torch.stack([zero, seen.sum(), zero, zero + len(seen)])
 
     def add_host(self, layer_idx: int, *, kept: float, seen: float, fraction: float, rows: int) -> None:
         """Sums known on the host (kept, visible, kept / visible over rows, rows) added to a layer's."""

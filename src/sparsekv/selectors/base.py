@@ -210,6 +210,22 @@ def topk_selection(scores: torch.Tensor, step: DecodeStep) -> Selection:
     return Selection(indices=indices, valid=valid)
 
 
+#: torch.compile versions of the selectors' fixed-shape step pieces, one per function (`maybe_compiled`)
+COMPILED: dict = {}
+
+
+def maybe_compiled(fn, compiled: bool):
+    """`fn`, or its torch.compile version: one per function, shared by every layer (the guards are on shapes and
+    flags, which the layers share; a generation's steps all have the same shapes). A selector uses it for its
+    fixed-shape step's tensor code when `compiled_step` is set (the attention function itself is left out of
+    the model's compiled graph)."""
+    if not compiled:
+        return fn
+    if fn not in COMPILED:
+        COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return COMPILED[fn]
+
+
 def every_index(indices: torch.Tensor) -> Selection:
     """A selection whose entries are all valid; no mask tensor is made unless one is read."""
     return Selection(

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector
+from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, maybe_compiled
 
 
 @dataclass
@@ -33,22 +33,15 @@ class StreamingSelector(TokenSelector):
         return self._fixed_select(step)
 
     def _fixed_select(self, step: DecodeStep) -> Selection:
-        """The eager rule's set at a fixed shape (an unpadded batch: slot i is the i-th visible token): the first
-        sinks and the newest slots, `budgets` of them a row. The forced local tokens come first among the budget
-        (as the eager rule keeps them over the extra sinks), then the sinks. Rows with masked slots (lossless
-        rounds) lose those from the window."""
-        hints = step.hints
-        k = min(hints.max_budget, step.keys.shape[-2])
-        budgets = step.budgets[:, None, :, None]  # [B, 1, 1, 1]
+        """The eager rule's set at a fixed shape (an unpadded batch: slot i is the i-th visible token); with
+        `compiled_step` its few tensor ops run as one compiled kernel. Rows with masked slots (lossless rounds)
+        lose those from the window."""
+        k = min(step.hints.max_budget, step.keys.shape[-2])
         sinks = max(self.config.sink, self.sink_tokens)
-        recent = torch.clamp(budgets - sinks, min=self.config.local)  # the newest slots a row keeps
-        rank = torch.arange(k, device=step.keys.device)
-        newest = hints.written - 1  # the step's own slot
-        from_sink = rank < budgets - recent
-        indices = torch.where(from_sink, rank, newest - (rank - (budgets - recent)))
-        valid = (rank < budgets) & (indices >= 0) & (from_sink | (indices >= budgets - recent))
+        window = maybe_compiled(sinks_and_window, self.compiled_step)
+        indices, valid = window(step.budgets, step.hints.written, k, sinks, self.config.local)
         heads = step.selection_heads
-        return Selection(indices.clamp(min=0).expand(-1, heads, -1, -1), valid.expand(-1, heads, -1, -1))
+        return Selection(indices.expand(-1, heads, -1, -1), valid.expand(-1, heads, -1, -1))
 
     def score(self, step: DecodeStep) -> torch.Tensor:
         visible = step.visible
@@ -57,3 +50,18 @@ class StreamingSelector(TokenSelector):
         recency = order.float()
         score = torch.where(order <= sinks, torch.full_like(recency, float(visible.shape[-1] + 1)), recency)
         return score[:, None].expand(-1, step.selection_heads, -1, -1)
+
+
+def sinks_and_window(budgets: torch.Tensor, written: torch.Tensor, k: int, sinks: int, local: int):
+    """Streaming's fixed-shape selection: budgets [B, 1] tokens per row, `written` [1] slots cached (the step's
+    own the last), k the host bound of the budgets -> (indices, valid) [B, 1, 1, k]. The forced local tokens come
+    first among a row's budget (the eager rule keeps them over the extra sinks), then up to `sinks` first slots;
+    the rest of the budget is the newest slots."""
+    budgets = budgets[:, None, :, None]
+    recent = torch.clamp(budgets - sinks, min=local)  # the newest slots a row keeps
+    first_recent = budgets - recent  # ranks below it are sinks
+    rank = torch.arange(k, device=budgets.device)
+    from_sink = rank < first_recent
+    indices = torch.where(from_sink, rank, written - 1 - (rank - first_recent))
+    valid = (rank < budgets) & (indices >= 0) & (from_sink | (indices >= first_recent))
+    return indices.clamp(min=0), valid

@@ -13,7 +13,14 @@ from sparsekv.kernels.lut_score import LUT_SCORE_RANK_MAX, MAX_LISTED, lut_topk_
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.select_within import select_within
 from sparsekv.kernels.sparse_attention import sparse_attention
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, _force, to_selection_heads
+from sparsekv.selectors.base import (
+    DecodeStep,
+    Selection,
+    TokenSelector,
+    _force,
+    maybe_compiled,
+    to_selection_heads,
+)
 from sparsekv.selectors.self_index import device
 from sparsekv.selectors.self_index.codes import GROUP_DIMS, bitrev4, codes_from_sign_bits
 from sparsekv.selectors.self_index.scoring import (
@@ -30,7 +37,6 @@ from sparsekv.selectors.self_index.store import (
     FP_DTYPES,
     QUANT_GROUP,
     CompressedStore,
-    maybe_compiled,
     quant_group_size,
 )
 

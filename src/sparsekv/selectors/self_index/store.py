@@ -31,7 +31,7 @@ from sparsekv.kernels.compressed_format import (
     quantize_codes,
 )
 from sparsekv.kernels.compressed_kv import CompressedKV
-from sparsekv.selectors.base import tensor_nbytes
+from sparsekv.selectors.base import maybe_compiled, tensor_nbytes
 from sparsekv.selectors.self_index.buffers import RowBuffers
 from sparsekv.selectors.self_index.codes import one_pass_centroids, sign_codes
 from sparsekv.selectors.self_index.rotation import rotation_base, rotation_signs
@@ -56,10 +56,6 @@ def quant_group_size(head_dim: int, preferred: int = QUANT_GROUP) -> int:
     raise ConfigError(f"self-index needs a head_dim divisible by 4, got {head_dim}")
 
 
-#: torch.compile versions of the fixed-shape step's pieces, one per function (`maybe_compiled`)
-COMPILED: dict = {}
-
-
 #: the first torch release whose CPU inductor runs the compiled token encoding: torch 2.11's vectorized C++ kernel
 #: of `_open_block` aborts the process (measured; 2.13 runs it, and 2.11 with vectorization off too)
 CPU_COMPILE_TORCH = (2, 13)
@@ -72,16 +68,6 @@ def check_compiled_device(device: torch.device) -> None:
             f"compile_step with self-index on CPU needs torch >= {'.'.join(map(str, CPU_COMPILE_TORCH))} (torch "
             f"{torch.__version__}'s CPU compiler aborts on its token encoding); decode without compile_step, or on CUDA"
         )
-
-
-def maybe_compiled(fn, compiled: bool):
-    """`fn`, or its torch.compile version: one per function, shared by every layer (the guards are on shapes and
-    flags, which the layers share; a generation's steps all have the same shapes)."""
-    if not compiled:
-        return fn
-    if fn not in COMPILED:
-        COMPILED[fn] = torch.compile(fn, fullgraph=True)
-    return COMPILED[fn]
 
 
 class CompressedStore:
