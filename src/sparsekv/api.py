@@ -115,8 +115,8 @@ def enable(
 
     graph_decode: `model.generate()`'s one-token decode steps replay one CUDA graph of the whole forward
     (`sparsekv.graph_decode`). None (default): on CUDA, for the methods with a fixed-shape step (dense, oracle-topk,
-    spotlight, lsh, quest, twilight, double-sparsity, self-index, streaming); True: also on CPU, where the fixed-shape step runs without a graph;
-    False: never.
+    spotlight, lsh, quest, twilight, double-sparsity, self-index, streaming); True: also on CPU, where the
+    fixed-shape step runs without a graph; False: never.
     `runtime.graph.steps` counts the decode steps of the last generate() call by path, with the reason of any
     step that ran eagerly.
 

@@ -237,11 +237,10 @@ AUTO_PROBE_EVERY = 16
 
 def best_draft_count(acceptance: float, draft_cost: float, most: int) -> int:
     """The number of drafts (0 or one of AUTO_DRAFT_CHOICES up to `most`) that gives a row the most tokens per
-    second: with each draft accepted
-    with probability `acceptance` (given the ones before it), a round of g drafts yields (1 - a^(g+1)) / (1 - a)
-    tokens (the accepted drafts and the verification's own token) and costs g draft steps and one verification,
-    `draft_cost` being a draft step's time over a verification's. 0 is a plain dense step (one token a
-    verification): drafting no longer pays."""
+    second: with each draft accepted with probability `acceptance` (given the ones before it), a round of g drafts
+    yields (1 - a^(g+1)) / (1 - a) tokens (the accepted drafts and the verification's own token) and costs g draft
+    steps and one verification, `draft_cost` being a draft step's time over a verification's. 0 is a plain dense
+    step (one token a verification): drafting no longer pays."""
     best, best_rate = 0, 1.0
     for drafts in (d for d in AUTO_DRAFT_CHOICES if d <= most):
         tokens = drafts + 1.0 if acceptance >= 1 else (1 - acceptance ** (drafts + 1)) / (1 - acceptance)

@@ -4,8 +4,9 @@ One program owns one (batch, selection head, query) row and one slice of its ind
 K/V row once and uses it for every query head that the row serves (the GQA group when S = Hkv, one head when
 S = Hq). Where every query of a call shares its index list (indices expanded over Q, as in a dense forward of
 several new tokens) one program serves all Q queries of its heads ("packed"): each K/V row is read once for the
-G x Q query rows, each of which keeps its own `valid` row (causality among the new tokens). Partial outputs + log-sum-exp per slice are merged either by the row's last program to finish (with
-`tickets`: a caller-owned int32 counter per row, zero between launches) or by a second small kernel.
+G x Q query rows, each of which keeps its own `valid` row (causality among the new tokens). Partial outputs +
+log-sum-exp per slice are merged either by the row's last program to finish (with `tickets`: a caller-owned int32
+counter per row, zero between launches) or by a second small kernel.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def _partial_kernel(
     pdl_enter(USE_PDL)
     sp, r = chunk_and_row()
     # packed: the program's query rows are G heads x Q queries, head-major, and its grid row is (b, s); Q stays a
-    # runtime value (one compiled kernel serves every Q up to GP rows)
+    # runtime value (one compiled kernel serves every Q whose G x Q rows fit GP)
     pack = Q if PACKED else 1
     rows_q = Q // pack
     qi = r % rows_q
