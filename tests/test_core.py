@@ -354,6 +354,7 @@ def test_cache_memory_counts_buffer_capacity_or_only_the_tokens_held(real_model)
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--dense-layers", "0,99"], "out of range"),
         (["--model", "/no/such/model/dir"], "/no/such/model/dir"),
+        (["--compile-step"], "--compile-step compiles the decode step that CUDA graphs capture"),
     ],
 )
 def test_cli_bad_input_is_one_line(args, message):

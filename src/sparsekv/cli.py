@@ -172,6 +172,9 @@ def generate(
     allow_longer_context: Annotated[
         bool, typer.Option("--allow-longer-context", help="run a prompt longer than the model's trained context")
     ] = False,
+    compile_step: Annotated[bool, typer.Option(
+        "--compile-step", help="CUDA: the captured decode steps (and lossless rounds' steps) run the forward "
+        "compiled by torch.compile")] = False,
     sample: Annotated[bool, typer.Option("--sample", help="sample (softmax / temperature) instead of greedy")] = False,
     temperature: Annotated[float, typer.Option(help="--sample: the softmax temperature")] = 1.0,
     seed: Annotated[Optional[int], typer.Option(help="--sample: a seed for repeatable draws")] = None,
@@ -185,11 +188,14 @@ def generate(
 
     config = build_config(method, budget, top_p, dense_layers, sink, local, gqa, option, dense_below)
     drafts = draft_count(draft_tokens)
+    if compile_step and not device.startswith("cuda"):
+        raise ConfigError("--compile-step compiles the decode step that CUDA graphs capture: it needs --device cuda")
     loaded, tokenizer = load(model, device, dtype)
     text = prompt if raw else chat_prompt(tokenizer, prompt)
     result = sparsekv.generate(loaded, tokenizer, text, config, max_new_tokens=max_new_tokens, lossless=lossless,
                                draft_tokens=drafts, allow_longer_context=allow_longer_context,
-                               do_sample=sample, temperature=temperature, seed=seed)  # fmt: skip
+                               compile_step=compile_step, do_sample=sample, temperature=temperature,
+                               seed=seed)  # fmt: skip
     console.print(result.texts[0], markup=False, highlight=False)
     console.print(format_stats(result), style="dim")
     write_json(
