@@ -472,7 +472,7 @@ def test_quest_page_level_fixed_step_gives_the_eager_tokens(real_model, prompt):
     assert kept["avg_budget_tokens"] == pytest.approx(eager_kept["avg_budget_tokens"])
 
 
-def test_methods_command_lists_each_methods_dense_fallback(monkeypatch):
+def test_methods_command_lists_each_methods_dense_fallback_and_decode_paths(monkeypatch):
     from typer.testing import CliRunner
 
     from sparsekv.cli import app
@@ -481,5 +481,8 @@ def test_methods_command_lists_each_methods_dense_fallback(monkeypatch):
     monkeypatch.setenv("COLUMNS", "240")
     result = CliRunner().invoke(app, ["methods"])
     assert result.exit_code == 0, result.output
-    spotlight = next(line for line in result.output.splitlines() if line.lstrip("│ ").startswith("spotlight "))
-    assert f"below {get_method_class('spotlight').dense_below:,} cached tokens" in spotlight
+    rows = {line.lstrip("│ ").split()[0]: line for line in result.output.splitlines() if line.startswith("│ ")}
+    assert f"below {get_method_class('spotlight').dense_below:,} cached tokens" in rows["spotlight"]
+    # the decode paths: captured lossless rounds for slot-state methods, eager ones otherwise, none where refused
+    assert rows["streaming"].rstrip(" │").endswith("captured") and rows["quest"].rstrip(" │").endswith("eager")
+    assert rows["h2o"].rstrip(" │").endswith("no") and rows["self-index"].split("│")[5].strip() == "no"

@@ -129,22 +129,28 @@ def write_json(path: Path | None, payload: dict) -> None:
 
 @app.command()
 def methods() -> None:
-    """List the selection methods and their options."""
+    """List the selection methods, their options and how they decode on CUDA."""
+    from sparsekv.lossless import lossless_rounds
     from sparsekv.registry import available_methods, get_method_class, method_options
 
-    table = Table("method", "options", "dense fallback (CUDA)")
+    table = Table("method", "options", "dense fallback (CUDA)", "CUDA-graph step", "lossless rounds (CUDA)")
     for name in available_methods():
         opts = method_options(name)
-        below = get_method_class(name).dense_below
-        fallback = f"below {below:,} cached tokens" if below else "-"
-        table.add_row(name, ", ".join(f"{k}={f.default!r}" for k, f in opts.items()) or "-", fallback)
+        method = get_method_class(name)
+        fallback = f"below {method.dense_below:,} cached tokens" if method.dense_below else "-"
+        lossless = lossless_rounds(name)
+        table.add_row(name, ", ".join(f"{k}={f.default!r}" for k, f in opts.items()) or "-", fallback,
+                      "yes" if method.fixed_shape or method.dense else "no",
+                      "-" if method.dense else "no" if lossless.startswith("no:") else lossless)  # fmt: skip
     console.print(table)
     console.print(
         "Every method selects in the layers that attend globally; the config's dense_layers and, in hybrid "
         "models (e.g. Gemma 3), the sliding-window layers keep their native attention. The stats list the "
         "layers that selected (per_layer_avg_tokens). In generation on CUDA a method decodes with the dense step "
         "while the batch holds fewer cached tokens (tokens x sequences) than its measured crossover "
-        "(--dense-below / SparseConfig.dense_below; 0 turns the fallback off)."
+        "(--dense-below / SparseConfig.dense_below; 0 turns the fallback off). Lossless decoding (--lossless): "
+        "'captured' rounds replay CUDA graphs after the first, 'eager' rounds do not; for a 'no', "
+        "`sparsekv generate --lossless --method <method>` says why."
     )
 
 

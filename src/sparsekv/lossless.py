@@ -24,6 +24,7 @@ from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.graph_decode import capture, forward_replaced
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.registry import get_method_class
+from sparsekv.selectors.base import TokenSelector
 
 
 @dataclass
@@ -250,15 +251,33 @@ def best_draft_count(acceptance: float, draft_cost: float, most: int) -> int:
     return best
 
 
-def check_lossless(config: SparseConfig, draft_tokens: int | str) -> None:
-    method = get_method_class(config.method)
+def lossless_refusal(name: str) -> str | None:
+    """Why lossless decoding cannot draft with method `name` (None: it can)."""
+    method = get_method_class(name)
     if method.dense or method.rewrites_prompt:
-        raise ConfigError(f"lossless decoding drafts with a sparse method; {config.method} decodes densely already")
+        return f"lossless decoding drafts with a sparse method; {name} decodes densely already"
     if method.stores_kv:
-        raise ConfigError(
-            f"{config.method} keeps only its compressed K/V, so a dense step cannot verify its drafts; lossless "
-            "decoding needs a method that keeps the full K/V"
-        )
+        return (f"{name} keeps only its compressed K/V, so a dense step cannot verify its drafts; lossless decoding "
+                "needs a method that keeps the full K/V")  # fmt: skip
+    if method.crop is TokenSelector.crop:
+        return f"{name} keeps state that cannot be rolled back (it evicts for good), so rejected drafts cannot be undone"
+    return None
+
+
+def lossless_rounds(name: str) -> str:
+    """How lossless decoding runs with method `name` on CUDA (what `sparsekv methods` lists): "captured" (the
+    rounds after the first replay CUDA graphs), "eager", or "no: <why>"."""
+    why = lossless_refusal(name)
+    if why is not None:
+        return f"no: {why}"
+    method = get_method_class(name)
+    return "captured" if method.fixed_shape and method.slot_state else "eager"
+
+
+def check_lossless(config: SparseConfig, draft_tokens: int | str) -> None:
+    why = lossless_refusal(config.method)
+    if why is not None:
+        raise ConfigError(why)
     if draft_tokens == AUTO_DRAFTS:
         return
     if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or draft_tokens < 1:
