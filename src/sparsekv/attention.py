@@ -278,16 +278,32 @@ def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Ten
     return cache.fixed_step[name]
 
 
-def _verify_mask(cache: SparseCache, q_len: int) -> torch.Tensor:
+def _verify_mask(cache: SparseCache, q_len: int, window: int | None = None) -> torch.Tensor:
     """[B or 1, 1, Q, capacity] bool: the slots each of a fixed-shape forward's `q_len` queries attends densely
-    (its own and earlier slots, those its row keeps); built once per step."""
+    (its own and earlier slots, those its row keeps; with a `window`, only the last `window` positions of the
+    row's own tokens); built once per step and window."""
     shared = cache.fixed_step
-    name = f"verify{q_len}"
+    name = f"verify{q_len}:{window}"
     if name not in shared:
         causal = cache.fixed_slots[None, :] <= fixed_slots(cache.fixed_position, q_len)[:, None]  # [Q, capacity]
         kept = cache.fixed_kept[:, None, :] if cache.fixed_kept is not None else causal.new_ones(1, 1, 1)
-        shared[name] = (causal[None] & kept)[:, None]
+        mask = causal[None] & kept
+        if window is not None:
+            mask = mask & _recent(cache, q_len, window)
+        shared[name] = mask[:, None]
     return shared[name]
+
+
+def _recent(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
+    """[B or 1, Q, capacity] bool: the slots whose token lies within the last `window` positions of each of the
+    step's `q_len` queries (itself included), counting a row's own tokens: in lossless rounds a row's masked
+    slots hold no position, so its window reaches back over as many slots as it masked."""
+    if cache.fixed_kept is None:  # every slot of the unpadded batch holds the next position
+        positions = cache.fixed_slots[None]
+    else:
+        positions = cache.fixed_kept.cumsum(-1) - 1  # [B, capacity]: each kept slot's position in its row
+    queries = positions.index_select(-1, fixed_slots(cache.fixed_position, q_len))  # [B or 1, Q]
+    return positions[:, None, :] > queries[..., None] - window
 
 
 def _row_stats(cache: SparseCache, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,25 +314,25 @@ def _row_stats(cache: SparseCache, visible: torch.Tensor, heads: int) -> tuple[t
     return cache.fixed_step[name]
 
 
-def _verify_attention(query, key, value, cache: SparseCache, scale: float) -> torch.Tensor:
+def _verify_attention(query, key, value, cache: SparseCache, scale: float, window: int | None) -> torch.Tensor:
     """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
     queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
-    mask was twice a dense step: it copies K/V per query head, or reads them per query block)."""
+    mask was twice a dense step: it copies K/V per query head, or reads them per query block). `window`: a
+    sliding-window layer's."""
     batch, _, q_len, _ = query.shape
     heads = key.shape[1]
     every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
-    seen = _verify_mask(cache, q_len).expand(batch, heads, -1, -1)
+    seen = _verify_mask(cache, q_len, window).expand(batch, heads, -1, -1)
     return sparse_attention(query, key, value, every, seen, scale).transpose(1, 2).contiguous()
 
 
 def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
-    """[1, 1, capacity]: the cached slots within the last `window` positions of the step's token (itself
-    included), as a sliding-window layer sees them; built once per step and window."""
+    """[B or 1, 1, capacity]: the cached slots within the last `window` positions of the step's token (itself
+    included), as a sliding-window layer sees them (`_recent`); built once per step and window."""
     shared = cache.fixed_step
     name = f"window{window}"
     if name not in shared:
-        recent = cache.fixed_slots > cache.fixed_position - window
-        shared[name] = cache.fixed_visible & recent
+        shared[name] = cache.fixed_visible & _recent(cache, 1, window)
     return shared[name]
 
 
@@ -335,10 +351,10 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     for state in (selector, pruner):
         if state is not None:
             state.append_fixed_shape(layer.new_keys, layer.new_values, slots)
+    info = cache.infos[module.layer_idx]
     if cache.attend_densely:  # the verification forward of a lossless round: every kept slot, causally
-        return _verify_attention(query, key, value, cache, scale), None
+        return _verify_attention(query, key, value, cache, scale, info.window if info.sliding else None), None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
-        info = cache.infos[module.layer_idx]
         if info.sliding:  # its window of the latest tokens only
             visible = _window_visible(cache, info.window).expand(batch, q_len, -1)
         heads = key.shape[1]

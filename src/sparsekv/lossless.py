@@ -345,7 +345,9 @@ class CapturedRounds:
     CUDA graph (`graph_decode.capture`; on CPU the same steps run without graphs). Nothing is rolled back: a round
     writes `draft_tokens + 1` slots, the verification rewrites the slots the drafts wrote (the methods' state is
     one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
-    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted.
+    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted. A sliding-window
+    layer counts its window in each row's own positions (`attention._recent`), so rows of a hybrid model (Gemma 3)
+    also take their own drafts here.
 
     step_forward: the forward both steps run (the model's own when None), e.g. its `torch.compile` version
     (`GraphDecode.step_forward` with compile_step)."""
@@ -395,8 +397,6 @@ class CapturedRounds:
             return "graph_decode=False"
         if graph_mode is None and device.type != "cuda":
             return "no CUDA device"
-        if any(info.sliding for info in cache.infos):
-            return "a sliding-window layer (its window counts slots: rows with masked slots would see fewer tokens)"
         for layer in cache.layers:
             if layer.pruner is not None:
                 return "top-p pruning"
