@@ -444,6 +444,11 @@ def test_bench_generate_rows_name_their_path_and_budget():
     assert config_for("lsh", 0.02, None, dense_below=0).dense_below == 0
     with pytest.raises(ConfigError, match="budget after ':'"):
         parse_row("lsh:x")
+    from sparsekv.bench.generate import run_generate
+
+    for real in ("embedded", "gemma3-270m"):  # the real models run whole: refused before anything loads
+        with pytest.raises(ConfigError, match=f"--model {real} runs the whole real model"):
+            run_generate(real, layers=2, context=64, rows=("dense",), device="cpu")
     paths = {"eager: prompt or several tokens": 1, "eager: first decode step": 1, "graph (dense fallback)": 18}
     assert decode_path(paths) == "graph 18/19, 18 dense fallback"
 

@@ -147,8 +147,8 @@ def e2e(
 @app.command()
 def generate(
     model: Annotated[str, typer.Option(
-        help="llama3-8b-random | default (SmolLM2-135M shape): random weights and prompts; embedded: the embedded "
-        "model's real weights on windows of its essays")] = "llama3-8b-random",
+        help="llama3-8b-random | default (SmolLM2-135M shape): random weights and prompts; embedded | gemma3-270m: "
+        "real weights (the embedded model, the Gemma 3 asset) on windows of the embedded essays")] = "llama3-8b-random",
     layers: Annotated[int | None, typer.Option(help="decoder layers (fewer than the model's to fit)")] = None,
     context: Annotated[int, typer.Option(help="prompt tokens per sequence")] = 32768,
     batch: Annotated[int, typer.Option(help="batch size")] = 1,

@@ -15,7 +15,8 @@ The same random prompts through, in turn:
   same with `compile_step=True` (its rounds' steps compiled; a first, untimed generation compiles them).
 
 `--model embedded` is the embedded model with its real weights (SmolLM2-135M-Instruct) on windows of the embedded
-essays, one window per row (lossless decoding's acceptance depends on real weights and text); the other models
+essays, one window per row (lossless decoding's acceptance depends on real weights and text); `--model
+gemma3-270m` the same with the Gemma 3 270M asset (32K context, sliding-window and global layers); the other models
 have random weights and random prompts.
 
 Every row uses the same `prefill_chunk_size` (transformers' chunked prefill: a one-shot prefill of a long batch does
@@ -44,8 +45,8 @@ EAGER_SUFFIX = "@eager"
 COMPILE_SUFFIX = "@compile"
 LOSSLESS_SUFFIX = "@lossless"
 LOSSLESS_COMPILE_SUFFIX = "@lossless-compile"
-#: `--model` with the real weights of the embedded model, prompts from its essays
-EMBEDDED_MODEL = "embedded"
+#: `--model` names with real weights (-> `models.load_model`'s name), prompts from the embedded essays
+REAL_MODELS = {"embedded": "default", "gemma3-270m": "gemma3-270m"}
 
 
 def parse_row(row: str) -> tuple[str, str, float | None]:
@@ -292,19 +293,19 @@ def run_generate(
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context, shards=tp)
         net = tensor_parallel_model(model, layers=layers, tp=tp, dtype=dtype, seed=seed)
-    elif model == EMBEDDED_MODEL:
+    elif model in REAL_MODELS:
         if layers is not None or tp > 1:
-            raise ConfigError("--model embedded runs the whole embedded model on one device: drop --layers and --tp")
+            raise ConfigError(f"--model {model} runs the whole real model on one device: drop --layers and --tp")
         from sparsekv.models import load_model
 
-        net, tokenizer = load_model("default", dtype=dtype, device=dev)
+        net, tokenizer = load_model(REAL_MODELS[model], dtype=dtype, device=dev)
         ids = embedded_prompts(tokenizer, batch, context).to(dev)
     else:
         check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
         net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
     say = progress or (lambda _line: None)
     say(f"model ready: {net.config.num_hidden_layers} layers, tp {tp} ({time.perf_counter() - started:.0f} s)")
-    if model != EMBEDDED_MODEL:
+    if model not in REAL_MODELS:
         generator = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
     results: list[dict] = []
