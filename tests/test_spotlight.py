@@ -298,3 +298,18 @@ def test_deferred_key_hash_equals_eager_hash(kind, monkeypatch):
     assert deferred._pending is not None
     assert torch.equal(deferred.key_codes[..., -1:, :], deferred._hash(keys[:, :, :1], "k"))  # read: hashed
     assert deferred._pending is None
+
+
+def test_genre_windows_draw_evenly_and_interleave():
+    from sparsekv.training.capture import genre_windows
+
+    tok = CharTokenizer(100)
+    genres = ["a" * 50, "b" * 50, "c" * 20]
+    windows = genre_windows(tok, genres, 10, 7)  # 3 + 2 + 2 windows
+    by_genre = [tok.encode(g[:1])[0] for g in genres]
+    assert [int(w[0]) for w in windows] == [by_genre[i] for i in (0, 1, 2, 0, 1, 2, 0)]
+    assert windows.shape == (7, 10)
+    with pytest.raises(ConfigError, match="gives 2 windows of 10 tokens, 3 asked for"):
+        genre_windows(tok, genres, 10, 9)
+    with pytest.raises(ConfigError, match="no calibration text"):
+        genre_windows(tok, [], 10, 1)

@@ -57,6 +57,19 @@ def token_windows(tokenizer, text: str, window: int, count: int) -> torch.Tensor
     return torch.tensor(ids[: count * window], dtype=torch.long).view(count, window)
 
 
+def genre_windows(tokenizer, texts: list[str], window: int, count: int) -> torch.Tensor:
+    """[count, window] windows drawn evenly from the texts (one text per genre): each text gives `count // n`
+    consecutive windows from its start (the first texts one more, for the remainder), interleaved genre by
+    genre, so that consecutive training steps see different genres."""
+    if not texts:
+        raise ConfigError("no calibration text given")
+    n = len(texts)
+    per_text = [count // n + (i < count % n) for i in range(n)]
+    parts = [token_windows(tokenizer, t, window, c) for t, c in zip(texts, per_text) if c > 0]
+    order = [part[i] for i in range(max(per_text)) for part in parts if i < part.shape[0]]
+    return torch.stack(order)
+
+
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

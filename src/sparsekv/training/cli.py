@@ -20,8 +20,15 @@ def register(app: typer.Typer) -> None:
             Optional[list[Path]],
             typer.Option(
                 "--text-files",
-                help="calibration text files (default: the embedded haystack); the last "
-                "files (holdout fraction of the text) are held out for evaluation",
+                help="calibration text, one file per genre; training windows are drawn evenly from "
+                "them (default: the embedded essays, their last 20% held out)",
+            ),
+        ] = None,
+        eval_text_files: Annotated[
+            Optional[list[Path]],
+            typer.Option(
+                "--eval-text-files",
+                help="held-out text for the IoU reported after each layer (one file per genre)",
             ),
         ] = None,
         bits: int = 128,
@@ -45,7 +52,8 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         from sparsekv.cli import load, parse_layers
-        from sparsekv.training.capture import read_texts, split_essays
+        from sparsekv.config import ConfigError
+        from sparsekv.training.capture import read_texts
         from sparsekv.training.trainer import TrainConfig, train_hash
 
         console = Console()
@@ -62,12 +70,10 @@ def register(app: typer.Typer) -> None:
             alpha=alpha,
             dense_layers=parse_layers(dense_layers),
         )
-        train_text = eval_text = None
-        if text_files:
-            texts = [read_texts([p]) for p in text_files]
-            train_text, eval_text = (
-                split_essays(texts, cfg.holdout_fraction) if len(texts) > 1 else (texts[0], None)
-            )
+        if eval_text_files and not text_files:
+            raise ConfigError("--eval-text-files needs --text-files (the default essays hold out their own part)")
+        train_text = [read_texts([p]) for p in text_files] if text_files else None
+        eval_text = [read_texts([p]) for p in eval_text_files] if eval_text_files else None
         with console.status("loading the model..."):
             loaded, tokenizer = load(model, device, "float32")
         result = train_hash(loaded, tokenizer, cfg, output, train_text, eval_text, console=console)

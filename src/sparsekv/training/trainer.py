@@ -205,14 +205,16 @@ def train_hash(
     tokenizer,
     cfg: TrainConfig,
     output: str | Path,
-    train_text: str | None = None,
-    eval_text: str | None = None,
+    train_text: str | list[str] | None = None,
+    eval_text: str | list[str] | None = None,
     show_progress: bool = True,
     console=None,
 ) -> dict:
     """Captures q/k, trains every sparse layer, writes `output`; returns a report (times, per-layer metrics).
 
-    Without texts, calibration uses the embedded haystack with its last essays held out for evaluation.
+    Without texts, calibration uses the embedded haystack with its last essays held out for evaluation. A list
+    of texts is one text per genre: training windows are drawn evenly from them (`genre_windows`), and so are
+    the evaluation windows of a list of held-out texts.
     """
     from rich.progress import (
         BarColumn,
@@ -224,7 +226,7 @@ def train_hash(
     )
 
     from sparsekv.fingerprint import model_fingerprint
-    from sparsekv.training.capture import capture_qk, haystack_split, token_windows
+    from sparsekv.training.capture import capture_qk, genre_windows, haystack_split
 
     start = time.perf_counter()
     output = Path(output)
@@ -251,12 +253,17 @@ def train_hash(
 
     report: dict = {"resumed_layers": sorted(results), "trained_layers": todo}
     if todo:
-        train_ids = token_windows(tokenizer, train_text, cfg.window, cfg.train_windows)
+        train_texts = [train_text] if isinstance(train_text, str) else list(train_text)
+        train_ids = genre_windows(tokenizer, train_texts, cfg.window, cfg.train_windows)
         eval_ids = None
-        if eval_text and cfg.eval_windows > 0:
-            n_eval = len(tokenizer.encode(eval_text, add_special_tokens=False)) // cfg.window
-            if n_eval > 0:
-                eval_ids = token_windows(tokenizer, eval_text, cfg.window, min(cfg.eval_windows, n_eval))
+        eval_texts = [eval_text] if isinstance(eval_text, str) else list(eval_text or [])
+        if eval_texts and cfg.eval_windows > 0:
+            n_eval = [len(tokenizer.encode(t, add_special_tokens=False)) // cfg.window for t in eval_texts]
+            usable = [t for t, n in zip(eval_texts, n_eval) if n > 0]
+            if usable:
+                count = min(cfg.eval_windows, sum(n_eval))
+                per_text = min(n for n in n_eval if n > 0)
+                eval_ids = genre_windows(tokenizer, usable, cfg.window, min(count, per_text * len(usable)))
         t0 = time.perf_counter()
         train_qk = capture_qk(model, train_ids, todo)
         eval_qk = capture_qk(model, eval_ids, todo) if eval_ids is not None else {}
