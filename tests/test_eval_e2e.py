@@ -82,6 +82,18 @@ def test_iou_oracle_is_perfect_and_streaming_is_not(tiny, text, tmp_path):
     assert iou_map(streaming, tmp_path / "iou.png").stat().st_size > 1000
 
 
+def test_iou_of_a_method_that_stores_its_own_keys(tiny, text):
+    """self-index keeps only compressed keys: the oracle reads a full-precision shadow of every key stored, the
+    prompt's included, so a budget covering everything scores 1 and a small one scores below it."""
+    from sparsekv.eval.iou import IouSettings, run_iou
+
+    settings = IouSettings(context=300, queries=16)
+    full = run_iou(tiny, SparseConfig(method="self-index", budget=10_000), settings, text=text)
+    assert full["mean_iou"] == pytest.approx(1.0)
+    small = run_iou(tiny, SparseConfig(method="self-index", budget=0.1), settings, text=text)
+    assert 0 < small["mean_iou"] < 0.95
+
+
 def test_fidelity_covering_budget_reproduces_dense(tiny, tmp_path):
     from sparsekv.eval.fidelity import read_prompts, run_fidelity
 

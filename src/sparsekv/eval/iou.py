@@ -73,7 +73,8 @@ class SelectionObserver:
     """Wraps the `attend` of every sparse layer's selector in one cache (instance attributes, nothing global).
 
     Methods that keep K/V themselves (`stores_kv`, compressed caches) hand attention a stand-in for the keys; for
-    them `store` is wrapped too and the observer keeps a full-precision shadow copy of K for the oracle.
+    them the methods that take keys in (prompt and decode) are wrapped too, and the observer keeps a
+    full-precision shadow copy of K for the oracle.
     """
 
     def __init__(self, cache: SparseCache):
@@ -87,13 +88,9 @@ class SelectionObserver:
         original = selector.attend
         shadow: list[torch.Tensor] = []
         if getattr(selector, "stores_kv", False):
-            original_store = selector.store
-
-            def store(key_states, value_states):
-                shadow.append(key_states.detach())
-                return original_store(key_states, value_states)
-
-            selector.store = store
+            # every way keys reach the method's own storage: the whole prompt, a chunked prompt, decode tokens
+            for name in ("prefill", "open_prompt", "store_prompt_chunk", "store"):
+                setattr(selector, name, self._recording(getattr(selector, name), shadow))
 
         def attend(step, selection, scaling):
             observed = step
@@ -110,6 +107,14 @@ class SelectionObserver:
             return original(step, selection, scaling)
 
         selector.attend = attend
+
+    @staticmethod
+    def _recording(method, shadow: list[torch.Tensor]):
+        def call(keys, *args, **kwargs):
+            shadow.append(keys.detach())
+            return method(keys, *args, **kwargs)
+
+        return call
 
     def per_head(self, num_layers: int, name: str) -> list[list[float] | None]:
         out = []
