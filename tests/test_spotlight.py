@@ -184,6 +184,22 @@ def test_checkpoint_for_another_model_is_one_config_error(trained):
         run_chunks(other, config, ids, 24, chunk=8)
 
 
+def test_checkpoint_follows_its_model_into_other_dtypes(trained, tmp_path):
+    """A hash trained on the float32 model serves the same model in bfloat16 or float16; a file written before
+    weight samples (an exact digest of one dtype's weights) still matches its own dtype and says why not others."""
+    model, path, _ = trained
+    config = SparseConfig(method="spotlight", dense_layers=(0,), options={"checkpoint": str(path)})
+    for dtype in (torch.bfloat16, torch.float16):
+        SpotlightSelector.check_model(tiny_model().to(dtype), config)
+    from sparsekv.fingerprint import _weights_sha256, check_fingerprint
+
+    legacy = {k: v for k, v in read_header(path)["fingerprint"].items() if k != "weights_sample"}
+    legacy["weights_sha256"] = _weights_sha256(model)
+    check_fingerprint(legacy, model, "old file")
+    with pytest.raises(ConfigError, match="weights_sha256"):
+        check_fingerprint(legacy, tiny_model(seed=1), "old file")
+
+
 def test_bad_checkpoint_options(trained, tmp_path):
     _, path, _ = trained
     with pytest.raises(ConfigError, match="does not exist"):
