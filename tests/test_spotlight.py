@@ -329,3 +329,9 @@ def test_genre_windows_draw_evenly_and_interleave():
         genre_windows(tok, genres, 10, 9)
     with pytest.raises(ConfigError, match="no calibration text"):
         genre_windows(tok, [], 10, 1)
+    # held-out text gives what it has: "c" has 2 windows of its share of 3
+    from sparsekv.training.capture import held_out_windows
+
+    held = held_out_windows(tok, genres, 10, 9)
+    assert [int(w[0]) for w in held] == [by_genre[i] for i in (0, 1, 2, 0, 1, 2, 0, 1)]
+    assert held_out_windows(tok, ["short"], 10, 2) is None

@@ -57,17 +57,38 @@ def token_windows(tokenizer, text: str, window: int, count: int) -> torch.Tensor
     return torch.tensor(ids[: count * window], dtype=torch.long).view(count, window)
 
 
+def _shares(count: int, texts: int) -> list[int]:
+    """`count` windows split evenly over `texts` texts, the first ones taking one more for the remainder."""
+    return [count // texts + (i < count % texts) for i in range(texts)]
+
+
+def _interleaved(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The windows of each text, taken genre by genre: consecutive training steps see different genres."""
+    longest = max((p.shape[0] for p in parts), default=0)
+    return [part[i] for i in range(longest) for part in parts if i < part.shape[0]]
+
+
 def genre_windows(tokenizer, texts: list[str], window: int, count: int) -> torch.Tensor:
-    """[count, window] windows drawn evenly from the texts (one text per genre): each text gives `count // n`
-    consecutive windows from its start (the first texts one more, for the remainder), interleaved genre by
-    genre, so that consecutive training steps see different genres."""
+    """[count, window] windows drawn evenly from the texts (one text per genre): each gives its share of
+    consecutive windows from its start, interleaved genre by genre. A text too short for its share is an error."""
     if not texts:
         raise ConfigError("no calibration text given")
-    n = len(texts)
-    per_text = [count // n + (i < count % n) for i in range(n)]
-    parts = [token_windows(tokenizer, t, window, c) for t, c in zip(texts, per_text) if c > 0]
-    order = [part[i] for i in range(max(per_text)) for part in parts if i < part.shape[0]]
-    return torch.stack(order)
+    shares = _shares(count, len(texts))
+    return torch.stack(
+        _interleaved([token_windows(tokenizer, t, window, c) for t, c in zip(texts, shares) if c])
+    )
+
+
+def held_out_windows(tokenizer, texts: list[str], window: int, count: int) -> torch.Tensor | None:
+    """Like `genre_windows`, but each held-out text gives what it has up to its share (None when none has a
+    whole window): evaluation works with whatever held-out text there is."""
+    parts = []
+    for text, share in zip(texts, _shares(count, len(texts))):
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        usable = min(share, len(ids) // window)
+        parts.append(torch.tensor(ids[: usable * window], dtype=torch.long).view(usable, window))
+    windows = _interleaved(parts)
+    return torch.stack(windows) if windows else None
 
 
 def _capture_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

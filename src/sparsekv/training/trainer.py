@@ -226,7 +226,7 @@ def train_hash(
     )
 
     from sparsekv.fingerprint import model_fingerprint
-    from sparsekv.training.capture import capture_qk, genre_windows, haystack_split
+    from sparsekv.training.capture import capture_qk, genre_windows, haystack_split, held_out_windows
 
     start = time.perf_counter()
     output = Path(output)
@@ -255,15 +255,10 @@ def train_hash(
     if todo:
         train_texts = [train_text] if isinstance(train_text, str) else list(train_text)
         train_ids = genre_windows(tokenizer, train_texts, cfg.window, cfg.train_windows)
-        eval_ids = None
         eval_texts = [eval_text] if isinstance(eval_text, str) else list(eval_text or [])
+        eval_ids = None
         if eval_texts and cfg.eval_windows > 0:
-            n_eval = [len(tokenizer.encode(t, add_special_tokens=False)) // cfg.window for t in eval_texts]
-            usable = [t for t, n in zip(eval_texts, n_eval) if n > 0]
-            if usable:
-                count = min(cfg.eval_windows, sum(n_eval))
-                per_text = min(n for n in n_eval if n > 0)
-                eval_ids = genre_windows(tokenizer, usable, cfg.window, min(count, per_text * len(usable)))
+            eval_ids = held_out_windows(tokenizer, eval_texts, cfg.window, cfg.eval_windows)
         t0 = time.perf_counter()
         train_qk = capture_qk(model, train_ids, todo)
         eval_qk = capture_qk(model, eval_ids, todo) if eval_ids is not None else {}
