@@ -64,9 +64,12 @@ def _hamming_topk_fixed():
     kc[:, :, 20:] = kc[:, :, :1]
     hint = torch.zeros(2 * 2, dtype=torch.int32)
     return [
-        (qc, kc, 9, torch.tensor([23]), 70, 2, 3, None),
-        (qc, kc, 9, torch.tensor([37]), 70, 0, 0, hint),
-        (qc, kc, 30, torch.tensor([5]), 70, 1, 2, None),  # more picks than written slots: empty ones come in
+        (qc, kc, 9, torch.tensor([23]), 70, 2, 3, None, True, None),
+        (qc, kc, 9, torch.tensor([37]), 70, 0, 0, hint, True, None),
+        (qc, kc, 30, torch.tensor([5]), 70, 1, 2, None, True, None),  # more picks than written slots: empty ones
+        (qc, kc, 9, torch.tensor([23]), 70, 2, 3, None, False, None),  # the picks alone
+        # each row its own count of the best, padded with position 0
+        (qc, kc, 9, torch.tensor([23]), 70, 2, 3, hint, False, torch.tensor([9, 7, 5, 8], dtype=torch.int32)),
     ]
 
 
@@ -74,7 +77,9 @@ def _select_topk():
     gen = _gen(13)
     ints = torch.randint(-3, 40, (2, 3, 2, 37), generator=gen, dtype=torch.int32)
     floats = torch.randn(2, 3, 2, 37, generator=gen)
-    return [(ints, 9, -3, 39), (ints.to(torch.int16), 9, None, None), (floats, 9, None, None), (ints, 50, -3, 39)]
+    counts = torch.randint(4, 10, (2 * 3 * 2,), generator=gen, dtype=torch.int32)
+    return [(ints, 9, -3, 39, None), (ints.to(torch.int16), 9, None, None, None), (floats, 9, None, None, None),
+            (ints, 50, -3, 39, None), (ints, 9, -3, 39, counts), (floats, 9, None, None, counts)]  # fmt: skip
 
 
 def _top_p_threshold():
@@ -102,9 +107,12 @@ def _sign_hash_pair():
     w2, wr = torch.randn(2, 20, 45, generator=gen), torch.randn(2, 24, 45, generator=gen)
     code_buffer = torch.zeros(2, 2, 10, 2, dtype=torch.int32)  # key_out is a view of its rows 4..6
     linear_out = torch.zeros(2, 2, 3, 1, dtype=torch.int32)
+    fixed_buffer = torch.zeros(2, 2, 11, 2, dtype=torch.int32)  # a fixed-shape buffer: rows at device slots
+    slots = torch.tensor([8, 2, 5])
     return [
-        (query, keys, code_buffer[:, :, 4:7], key_mean, key_scale, query_scale, w1, w2, b1, wr),
-        (query, keys, linear_out, key_mean, key_scale, query_scale, w1, None, None, None),
+        (query, keys, code_buffer[:, :, 4:7], key_mean, key_scale, query_scale, w1, w2, b1, wr, None),
+        (query, keys, linear_out, key_mean, key_scale, query_scale, w1, None, None, None, None),
+        (query, keys, fixed_buffer, key_mean, key_scale, query_scale, w1, w2, b1, wr, slots),
     ]
 
 

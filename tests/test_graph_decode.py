@@ -90,6 +90,41 @@ def test_the_cache_decodes_on_after_a_graph_generation(real_model, prompt, metho
     assert torch.equal(outputs[0], outputs[1])
 
 
+@pytest.mark.parametrize("budget", [48, 0.05])
+def test_spotlight_fixed_step_on_the_device_path_equals_eager(real_model, prompt, monkeypatch, budget):
+    """What a CUDA fixed-shape spotlight step runs, here through the ops' references: the new key hashed in the
+    query's launch into its device slot (`sign_hash_pair` with key_slots), the fused fixed-shape Hamming select,
+    each row's budget picked in it (a budget that stays the same over the run, 48 tokens: every pick, no mask; one
+    that grows with the context, 5%: each row's own count, the device budget) and the stats counted on the host
+    when the steps end, without kernels in the steps. The eager path's tokens and stats."""
+    from sparsekv.selectors import spotlight
+    from sparsekv.selectors.base import _fixed_hamming_core
+    from sparsekv.stats import BudgetStats
+
+    def device_select(query_codes, key_codes, bits, step, threshold_hints=None):
+        if step.hints is None or not step.hints.fixed:
+            return None
+        return _fixed_hamming_core(query_codes(), key_codes, bits, step, threshold_hints)
+
+    pairs, device_adds = [], []
+    pair = spotlight.SpotlightSelector._query_codes
+    monkeypatch.setattr(spotlight, "fixed_hamming_selection", device_select)
+    monkeypatch.setattr(spotlight.SpotlightSelector, "_defers", lambda self, keys: True)
+    monkeypatch.setattr(spotlight.SpotlightSelector, "_query_codes",
+                        lambda self, query: pairs.append(self._pending_slots is not None) or pair(self, query))
+    add = BudgetStats.add
+    monkeypatch.setattr(BudgetStats, "add", lambda *args: device_adds.append(args) or add(*args))
+    config = SparseConfig(method="spotlight", budget=budget, local=4, dense_below=0)
+    eager, _, eager_cache = _generate(model := real_model[0], prompt, config, graph_decode=False, steps=24)
+    fixed, steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
+    assert torch.equal(fixed, eager) and steps["fixed-shape"] == 22
+    assert any(pairs) and not device_adds  # slotted pair hashes ran; no layer added stats on the device
+    eager_stats, fixed_stats = eager_cache.stats.summary(), fixed_cache.stats.summary()
+    for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
+        assert fixed_stats[key] == pytest.approx(eager_stats[key], rel=1e-9)
+    assert fixed_stats["per_layer_avg_tokens"] == pytest.approx(eager_stats["per_layer_avg_tokens"], rel=1e-9)
+
+
 def test_padded_batches_and_methods_without_a_fixed_step_decode_eagerly(real_model):
     model, tokenizer = real_model
     tokenizer.padding_side = "left"

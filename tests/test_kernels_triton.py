@@ -268,6 +268,35 @@ def test_hamming_topk_fixed_triton(impl, n, k, length, sink, local, bits, hq, hk
 
 
 @here
+@pytest.mark.parametrize("n,k,length,bits,hq,hkv,hinted", [(1500, 300, 1333, 128, 4, 1, True), (777, 37, 700, 64, 8, 2, False)])
+def test_hamming_topk_fixed_row_counts(impl, n, k, length, bits, hq, hkv, hinted):
+    """With per-row counts the fixed-shape select puts each row's counts[r] best slots first and position 0 in
+    the rest of its k entries: the reference's rows, entry for entry past the counts, as sets before them."""
+    from sparsekv.kernels.hamming import hamming_topk_fixed_reference
+
+    ham = impl["_hamming_triton"]
+    gen = torch.Generator().manual_seed(n)
+    w = (bits + 31) // 32
+    qc, kc = _codes((3, hq, 1, w), gen), _codes((3, hkv, n, w), gen)
+    kc[:, :, 100:200] = kc[:, :, :1]  # ties at the threshold
+    rows = 3 * hkv
+    counts = torch.randint(k // 2, k + 1, (rows,), generator=gen, dtype=torch.int32)
+    counts[0] = k
+    written = torch.tensor([length])
+    hint = torch.zeros(rows, dtype=torch.int32).to(DEV) if hinted else None
+    for _ in range(2):  # a hint buffer's second call starts from the first one's thresholds
+        got, _ = ham.hamming_topk_fixed_triton(qc, kc, k, written.to(DEV), bits=bits, sink=2, local=3,
+                                               threshold_hint=hint, with_scores=False, counts=counts.to(DEV))  # fmt: skip
+        want, _ = hamming_topk_fixed_reference(qc.cpu(), kc.cpu(), k, written, bits=bits, sink=2, local=3,
+                                               with_scores=False, counts=counts)  # fmt: skip
+        got, want = got.cpu().view(rows, k), want.view(rows, k)
+        for r in range(rows):
+            c = int(counts[r])
+            assert torch.equal(got[r, :c].sort().values, want[r, :c].sort().values), r
+            assert not got[r, c:].any(), r
+
+
+@here
 @pytest.mark.parametrize(
     "n,k,length,sink,local,bits,hq,hkv,tied",
     [
@@ -315,6 +344,14 @@ def test_select_topk_int_triton(impl, n, k, lo):
     assert_topk_set(scores.cpu(), idx.cpu(), k)
     # the reference's rule among equal scores (the lower position) is the kernel's
     assert torch.equal(idx.cpu().sort(-1).values, select_topk_reference(scores.cpu(), k).sort(-1).values)
+    # each row its own count of the best (int16 scores >= 0 take the bit-mask compaction, the others the scan)
+    counts = torch.randint(k // 2, k + 1, (6,), generator=gen, dtype=torch.int32)
+    for src in (scores, (scores - lo).to(torch.int16)):
+        low = lo if src.dtype == torch.int32 else 0
+        got = impl["_topk_triton"].select_topk_int(src, k, low, low + 59, counts.to(DEV)).cpu().view(6, k)
+        want = select_topk_reference(src.cpu(), k, counts).view(6, k)
+        for r, c in enumerate(counts.tolist()):
+            assert torch.equal(got[r, :c].sort().values, want[r, :c].sort().values) and not got[r, c:].any(), r
 
 
 @here
@@ -762,8 +799,9 @@ def _assert_same(name, got, want):
             got = [t.cpu() for t in got]
             order_got, order_want = got[0].sort(-1), want[0].sort(-1)
             assert torch.equal(order_got.values, order_want.values)
-            assert torch.equal(got[1].gather(-1, order_got.indices), want[1].gather(-1, order_want.indices))
-            assert got[1].dtype == want[1].dtype
+            assert got[1].dtype == want[1].dtype and got[1].shape == want[1].shape
+            if want[1].shape[-1]:  # (scores=False: none gathered)
+                assert torch.equal(got[1].gather(-1, order_got.indices), want[1].gather(-1, order_want.indices))
             return
         for g, w in zip(got, want, strict=True):
             _assert_same(name, g, w)

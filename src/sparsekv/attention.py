@@ -353,6 +353,8 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
             state.append_fixed_shape(layer.new_keys, layer.new_values, slots)
     info = cache.infos[module.layer_idx]
     if cache.attend_densely:  # the verification forward of a lossless round: every kept slot, causally
+        if selector is not None:
+            selector.complete_append()
         return _verify_attention(query, key, value, cache, scale, info.window if info.sliding else None), None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
         if info.sliding:  # its window of the latest tokens only
@@ -364,7 +366,7 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,
                       local=config.local, fixed=True, min_budget=host_budget(config, cache.fixed_start + 1),
-                      written=shared["written"])  # fmt: skip
+                      written=shared["written"], min_written=cache.fixed_start + 1, shared=cache.fixed_step)  # fmt: skip
     step = DecodeStep(query, key, value, visible, shared["forced"], shared["budgets"], selector.layer, config.gqa,
                       hints)  # fmt: skip
     selection = selector.select(step)
@@ -376,6 +378,9 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         selection = pruner.prune(step, selection)
     if cache.record_stats and cache.fixed_kept is not None:
         cache.stats.add_rows(module.layer_idx, selection, *_row_stats(cache, visible, selection.indices.shape[1]))
+    elif cache.record_stats and selection.exact_budgets:
+        # every row attends its budget: the counts are known on the host (no kernels in the step)
+        cache.host_counted[module.layer_idx] = selection.indices.shape[:-1].numel()
     elif cache.record_stats:
         cache.stats.add(module.layer_idx, selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
     out = selector.attend(step, selection, scale)

@@ -8,7 +8,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.pruners.base import Pruner
 from sparsekv.registry import get_method_class, get_top_p_pruner
-from sparsekv.selectors.base import LayerInfo, TokenSelector, tensor_nbytes
+from sparsekv.selectors.base import LayerInfo, TokenSelector, host_budget, tensor_nbytes
 from sparsekv.stats import BudgetStats
 
 #: projections whose output holds a layer's keys (plain or fused): a colwise TP rule on one shards the heads
@@ -383,6 +383,9 @@ class SparseCache(Cache):
         self.fixed_dense = False
         #: what every layer of the step in flight shares (built by the first layer that needs it, in the graph)
         self.fixed_step: dict[str, torch.Tensor] = {}
+        #: layer -> selection rows of the layers whose fixed-shape steps attend each row's budget exactly
+        #: (`Selection.exact_budgets`): their stats are counted on the host when fixed-shape decoding ends
+        self.host_counted: dict[int, int] = {}
 
     @torch.compiler.disable
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -424,6 +427,7 @@ class SparseCache(Cache):
         self.fixed_visible = torch.zeros(batch, 1, capacity, dtype=torch.bool, device=device)
         self.fixed_kept = torch.ones(batch, capacity, dtype=torch.bool, device=device) if rows else None
         self.stats.prepare_sums(device)
+        self.host_counted = {}
         for layer in self.layers:
             layer.begin_fixed_shape(self.fixed_position, capacity, compiled)
         self.prepare_fixed_step()
@@ -452,6 +456,8 @@ class SparseCache(Cache):
             return
         if self.fixed_dense and self.record_stats:
             self._record_dense_steps()
+        if self.record_stats:
+            self._record_host_counted_steps()
         for layer in self.layers:
             layer.end_fixed_shape(self.fixed_start if self.fixed_dense else None)
         self.fixed_position = self.fixed_visible = self.fixed_slots = self.fixed_kept = None
@@ -466,6 +472,16 @@ class SparseCache(Cache):
                 # step t sees fixed_start + t + 1 tokens
                 seen = steps * (self.fixed_start + 1) + steps * (steps - 1) // 2
                 self.stats.add_host(idx, kept=seen * rows, seen=seen * rows, fraction=steps * rows, rows=steps * rows)
+
+    def _record_host_counted_steps(self) -> None:
+        """The stats of the layers in `host_counted`: step t's rows saw fixed_start + t + 1 tokens and attended
+        the budget of that many."""
+        seen = range(self.fixed_start + 1, self.layers[0].length + 1)
+        kept = [host_budget(self.config, n) for n in seen]
+        totals = {"kept": sum(kept), "seen": sum(seen), "fraction": sum(b / n for b, n in zip(kept, seen))}
+        for idx, rows in self.host_counted.items():
+            self.stats.add_host(idx, **{name: total * rows for name, total in totals.items()}, rows=len(seen) * rows)
+        self.host_counted = {}
 
     def crop(self, tokens_to_remove: int) -> None:
         # a rollback (assisted generation, prompt lookup, lossless decoding) is eager bookkeeping: the next decode

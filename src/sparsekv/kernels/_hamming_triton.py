@@ -435,13 +435,14 @@ def _check_hint(hint: torch.Tensor, rows: int, key_codes: torch.Tensor) -> torch
     return hint
 
 
-def hamming_select(state: ScoreState, k: int) -> torch.Tensor:
-    """Stage 2 of hamming_topk: remaining radix levels + compaction from `hamming_score_hist`'s state."""
+def hamming_select(state: ScoreState, k: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 2 of hamming_topk: remaining radix levels + compaction from `hamming_score_hist`'s state (`counts`:
+    each row's own number of keys, see `radix_compact`)."""
     scores = state.scores
     out = radix_topk(
         scores.view(-1, scores.shape[-1]), k, lo=0, levels=state.levels, nbits=state.nbits, is_float=False,
         block=state.block, num_chunks=state.num_chunks, bpc=state.bpc, hist=state.hist, n_load=scores.stride(-2),
-        first_done=state.window is None, reverse=state.reverse, window=state.window, hint=state.hint,
+        first_done=state.window is None, reverse=state.reverse, window=state.window, hint=state.hint, counts=counts,
     )  # fmt: skip
     return out.view(*scores.shape[:-1], k)
 
@@ -456,6 +457,8 @@ def hamming_topk_fixed_triton(
     sink: int = 0,
     local: int = 0,
     threshold_hint: torch.Tensor | None = None,
+    with_scores: bool = True,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hamming_topk_triton` (recent_first) over a fixed-shape buffer whose first `written` slots (int64 [1] on
     the device) hold keys: -> (indices [B, Hkv, Q, k] int64 unordered, their ranking scores: 0 for an empty
@@ -476,6 +479,8 @@ def hamming_topk_fixed_triton(
     )  # fmt: skip
     window = None if threshold_hint is None else (base, top)
     state = ScoreState(scores, hist, num_chunks, bpc, block, levels, nbits, True, window, threshold_hint)
-    indices = hamming_select(state, k)
+    indices = hamming_select(state, k, counts)
+    if not with_scores:
+        return indices, scores[..., :0]
     n = scores.shape[-1]
     return indices, scores.gather(-1, (n - 1) - indices)

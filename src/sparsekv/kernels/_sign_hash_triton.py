@@ -161,6 +161,7 @@ def _sign_hash_pair_kernel(
     wr_ptr,
     outq_ptr,
     outk_ptr,
+    slots_ptr,
     MQ,
     MK,
     HKV,
@@ -187,9 +188,11 @@ def _sign_hash_pair_kernel(
     EARLY: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
     HC: tl.constexpr = 16,
+    SLOTS: tl.constexpr = False,
 ):
     """Queries and new keys of one kv head in one tile: rows [0, MQ) are the group's queries (x / query scale),
-    rows [MQ, MQ + MK) the new keys ((x - key mean) / key scale); one MLP pass, two outputs."""
+    rows [MQ, MQ + MK) the new keys ((x - key mean) / key scale); one MLP pass, two outputs. SLOTS: key t's
+    codes go to row slots[t] of the key output (a fixed-shape buffer), else to row t."""
     pdl_enter(USE_PDL)
     r = tl.program_id(0)
     cb = tl.program_id(1)
@@ -214,7 +217,8 @@ def _sign_hash_pair_kernel(
     w = cb * (COLS // 32) + tl.arange(0, COLS // 32)
     tl.store(outq_ptr + ((b.to(tl.int64) * HKV + kvh) * MQ + rows[:, None]) * W + w[None, :], words,
              mask=is_q[:, None])  # fmt: skip
-    tl.store(outk_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + kt[:, None] * sot + w[None, :], words,
+    out_row = tl.load(slots_ptr + kt, mask=is_k, other=0) if SLOTS else kt.to(tl.int64)
+    tl.store(outk_ptr + b.to(tl.int64) * sob + kvh.to(tl.int64) * soh + out_row[:, None] * sot + w[None, :], words,
              mask=is_k[:, None])  # fmt: skip
 
 
@@ -278,7 +282,8 @@ def sign_hash_triton(x, w1, w2=None, b1=None, wr=None, b2=None):
     return out
 
 
-def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2=None, b1=None, wr=None):
+def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2=None, b1=None, wr=None,
+                          key_slots=None):  # fmt: skip
     """One launch for a decode step's queries and new keys (see `sign_hash.sign_hash_pair`): both sets of rows of
     a kv head share its program, so the keys' hash adds no launch and no latency."""
     b, hq, q, d = query.shape
@@ -306,6 +311,7 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         wr if wr is not None else w1,
         out_q,
         key_out,
+        key_slots if key_slots is not None else key_out,
         mq,
         t,
         hkv,
@@ -331,6 +337,7 @@ def sign_hash_pair_triton(query, keys, key_out, key_mean, key_scale, query_scale
         COLS=cols,
         EARLY=TUNE["early"],
         HC=_fit(hid, d * size, 16),
+        SLOTS=key_slots is not None,
         num_warps=8 if w1.dtype == torch.float32 else 4,
         **pdl_launch(query.device),
     )

@@ -122,6 +122,23 @@ def chunk_length(c, num_chunks, chunk_len, n_load):
 
 
 @triton.jit
+def row_count(counts_ptr, r, k, COUNTS: tl.constexpr):
+    """How many keys row r selects: its entry of counts (at most k) with COUNTS, else k."""
+    if COUNTS:
+        return tl.minimum(tl.load(counts_ptr + r).to(tl.int32), k)
+    return k
+
+
+@triton.jit
+def pad_tail(out_row, kept, k, c, BLOCK: tl.constexpr):
+    """Chunk 0's program fills a row's entries [kept, k) with position 0 (padding: in range, never valid)."""
+    if c == 0:
+        for j in range(kept, k, BLOCK):
+            offs = j + tl.arange(0, BLOCK)
+            tl.store(out_row + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=offs < k)
+
+
+@triton.jit
 def _hist_kernel(
     src_ptr,
     hist_ptr,
@@ -143,19 +160,22 @@ def _hist_kernel(
     base_ptr=None,
     top=0,
     USE_PDL: tl.constexpr = False,
+    counts_ptr=None,
+    COUNTS: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c, r = chunk_and_row()
+    kept = row_count(counts_ptr, r, k, COUNTS)
     if WINDOW:  # the radix levels run only for rows whose threshold fell outside the window
         _t, _k, _g, _e, _b, exact = window_threshold(
-            hist_ptr, base_ptr, r, num_rows, num_chunks, k, top, LEVELS, NBITS, CP
+            hist_ptr, base_ptr, r, num_rows, num_chunks, kept, top, LEVELS, NBITS, CP
         )
         needed = exact == 0
     else:
         needed = True
     if needed:
-        _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_chunks, blocks_per_chunk, c, r,
-                    LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK)  # fmt: skip
+        _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, kept, num_rows, num_chunks, blocks_per_chunk, c,
+                    r, LEVEL, LEVELS, NBITS, CP, IS_FLOAT, BLOCK)  # fmt: skip
 
 
 @triton.jit
@@ -252,16 +272,21 @@ def _compact_kernel(
     top=0,
     USE_PDL: tl.constexpr = False,
     INLINE_STORE: tl.constexpr = False,
+    counts_ptr=None,
+    COUNTS: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     c, r = chunk_and_row()
+    out_row = out_ptr + r.to(tl.int64) * k
+    kept = row_count(counts_ptr, r, k, COUNTS)
+    if COUNTS:
+        pad_tail(out_row, kept, k, c, BLOCK)
     thr, need_eq, base_gt, base_eq, _ = row_threshold(
-        hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
+        hist_ptr, base_ptr, hint_ptr, r, c, lo, kept, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
     thr = thr.to(tl.uint32, bitcast=True)
-    cnt_gt = k - need_eq  # keys strictly above the threshold, all selected
+    cnt_gt = kept - need_eq  # keys strictly above the threshold, all selected
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
-    out_row = out_ptr + r.to(tl.int64) * k
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
     first = c * blocks_per_chunk + tl.arange(0, BLOCK)
     nxt = tl.load(row_ptr + first, mask=(first < n_load) & (tl.arange(0, BLOCK) < length), other=0)
@@ -377,6 +402,8 @@ def _compact_pairs_kernel(
     INLINE: tl.constexpr = False,
     USE_POPC: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
+    counts_ptr=None,
+    COUNTS: tl.constexpr = False,
 ):
     """The compaction of int16 scores in [0, 2**15) on bit masks: the same output as _compact_kernel's scan mode
     (keys above the threshold by position, then the first `need` equal ones). A thread compares two scores per
@@ -388,6 +415,9 @@ def _compact_pairs_kernel(
     R: tl.constexpr = BLOCK // KEYS
     words_row = (src_ptr + r.to(tl.int64) * stride_row).to(tl.pointer_type(tl.int32))
     out_row = out_ptr + r.to(tl.int64) * k
+    kept = row_count(counts_ptr, r, k, COUNTS)
+    if COUNTS:
+        pad_tail(out_row, kept, k, c, BLOCK)
     chunk0 = c * blocks_per_chunk
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
     limit = tl.minimum(N, chunk0 + length)
@@ -399,7 +429,7 @@ def _compact_pairs_kernel(
     widx = chunk0 // 2 + rows[:, None] * W + cols[None, :]
     nxt = tl.load(words_row + widx, mask=(chunk0 + rows * KEYS < limit)[:, None], other=0)
     thr, need_eq, base_gt, base_eq, _ = row_threshold(
-        hist_ptr, base_ptr, hint_ptr, r, c, lo, k, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
+        hist_ptr, base_ptr, hint_ptr, r, c, lo, kept, num_rows, num_chunks, top, LEVELS, NBITS, CP, WINDOW
     )
     t = thr + lo  # the threshold as a score
     # score > t  <=>  score + (0x7FFF - t) reaches 2**15;  score >= t  <=>  score + (0x8000 - t) does
@@ -407,7 +437,7 @@ def _compact_pairs_kernel(
     c_ge = (0x8000 - t).to(tl.uint32)
     c_gt = (c_gt << 16) | c_gt
     c_ge = (c_ge << 16) | c_ge
-    cnt_gt = k - need_eq
+    cnt_gt = kept - need_eq
     for i in range(0, length, BLOCK):
         key0 = chunk0 + i + rows * KEYS  # first key of each thread's row
         words = nxt.to(tl.uint32, bitcast=True)
@@ -477,14 +507,15 @@ def _sblock(chunk_len: int) -> int:
 
 
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
-                 window=None, n_load=None):  # fmt: skip
+                 window=None, n_load=None, counts=None):  # fmt: skip
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
     Chunk c covers keys [c * bpc * block, (c + 1) * bpc * block), the last chunk to the end of the row: the
     same split as the histograms.
     window=(base [R] int32, top): the scorer wrote a threshold-window histogram after the levels; the levels
     then run only for the rows whose threshold it did not pin down (launched for every row: no host sync).
     n_load: how far each row may be read (default N). Rows padded to a multiple of 16 keep the score loads
-    vectorized when N is not one (a mask that ends mid-vector splits them into 2-byte loads)."""
+    vectorized when N is not one (a mask that ends mid-vector splits them into 2-byte loads).
+    counts: int32 [R] on the device, how many keys each row selects (at most k; see radix_compact)."""
     rows, n = src.shape
     n_load = n if n_load is None else n_load
     base, top = window if window is not None else (None, 0)
@@ -498,7 +529,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
             LEVEL=level, LEVELS=levels, NBITS=nbits, CP=triton.next_power_of_2(num_chunks), IS_FLOAT=is_float,
             BLOCK=sb,
             WINDOW=window is not None, base_ptr=base, top=top, num_warps=SELECT_TUNE["num_warps"],
-            **pdl_launch(src.device),
+            counts_ptr=counts, COUNTS=counts is not None, **pdl_launch(src.device),
         )  # fmt: skip
     return hist
 
@@ -511,11 +542,13 @@ def pairs_ok(src: torch.Tensor, lo: int, is_float: bool, n_load: int, chunk_len:
 
 
 def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunks, bpc, reverse=False,
-                  window=None, hint=None, n_load=None):  # fmt: skip
+                  window=None, hint=None, n_load=None, counts=None):  # fmt: skip
     """The k positions above / at the threshold that the histograms define: [R, k] int64, deterministic
     (`reverse`: src holds the keys newest first, and N - 1 - position comes out). With `window` (see
     radix_levels) each row's threshold score is written to `hint` [R] int32 for the next call. int16 scores >= 0
-    take the bit-mask compaction (`pairs_ok`), the others the ordered scan: the same output either way."""
+    take the bit-mask compaction (`pairs_ok`), the others the ordered scan: the same output either way.
+    counts (int32 [R], each at most k): row r selects its counts[r] best keys into entries [0, counts[r]) and
+    fills the rest with position 0."""
     rows, n = src.shape
     n_load = n if n_load is None else n_load
     chunk_len = bpc * block
@@ -528,7 +561,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     # and a B8 select without window 51 -> 72 us. Releasing the launch at the end of the level kernel instead gave
     # back all four (docs/kernels-notes.md); decoding is in the window 97-99.9% of steps, so the early launch stays.
     win = {"WINDOW": window is not None, "base_ptr": window[0] if window else None, "hint_ptr": hint,
-           "top": window[1] if window else 0}  # fmt: skip
+           "top": window[1] if window else 0, "counts_ptr": counts, "COUNTS": counts is not None}  # fmt: skip
     if pairs_ok(src, lo, is_float, n_load, chunk_len):
         _compact_pairs_kernel[row_grid("topk", src.shape, num_chunks, rows)](
             src, out, hist, n, n_load, src.stride(0), lo, k, rows, num_chunks, chunk_len,
@@ -548,9 +581,9 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
 
 def radix_topk(
     src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False, reverse=False,
-    window=None, hint=None, n_load=None,
+    window=None, hint=None, n_load=None, counts=None,
 ):
-    """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64."""
+    """Histogram levels + compaction. src [R, N] (unit column stride) -> [R, k] int64 (see radix_compact)."""
     kw = {
         "lo": lo,
         "levels": levels,
@@ -561,8 +594,8 @@ def radix_topk(
         "bpc": bpc,
         "n_load": n_load,
     }
-    hist = radix_levels(src, k, hist=hist, first_done=first_done, window=window, **kw)
-    return radix_compact(src, k, hist, reverse=reverse, window=window, hint=hint, **kw)
+    hist = radix_levels(src, k, hist=hist, first_done=first_done, window=window, counts=counts, **kw)
+    return radix_compact(src, k, hist, reverse=reverse, window=window, hint=hint, counts=counts, **kw)
 
 
 def _rows(scores: torch.Tensor) -> torch.Tensor:
@@ -574,19 +607,20 @@ def _block(n: int) -> int:
     return 1024 if n >= 16384 else 256
 
 
-def _select(scores: torch.Tensor, k: int, lo: int, levels: int, nbits: int, is_float: bool) -> torch.Tensor:
+def _select(scores: torch.Tensor, k: int, lo: int, levels: int, nbits: int, is_float: bool,
+            counts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     src = _rows(scores)
     rows, n = src.shape
     block = _block(n)
     num_chunks, bpc = chunking(rows, n, block, src.device, max_chunks=max_chunks(nbits))
     out = radix_topk(src, k, lo=lo, levels=levels, nbits=nbits, is_float=is_float, block=block,
-                     num_chunks=num_chunks, bpc=bpc)  # fmt: skip
+                     num_chunks=num_chunks, bpc=bpc, counts=counts)  # fmt: skip
     return out.reshape(*scores.shape[:-1], k)
 
 
-def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int) -> torch.Tensor:
+def select_topk_int(scores: torch.Tensor, k: int, lo: int, hi: int, counts: torch.Tensor | None = None) -> torch.Tensor:
     levels, nbits = int_levels(hi - lo + 1)
-    return _select(scores, k, lo, levels, nbits, False)
+    return _select(scores, k, lo, levels, nbits, False, counts)
 
 
 def select_topk_float(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -231,10 +231,13 @@ def hamming_topk_fixed_reference(
     bits: int,
     sink: int = 0,
     local: int = 0,
+    with_scores: bool = True,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact rule of `hamming_topk_fixed`. Each slot's ranking score: the first `sink` slots and the last
     `local` written ones g * bits + 2, the other written slots 1 + their group-summed matching bits, the slots
-    at or beyond `written` 0. The min(k, N) best slots, equal scores to the higher (more recent) position."""
+    at or beyond `written` 0. The min(k, N) best slots, equal scores to the higher (more recent) position; with
+    `counts`, row r's counts[r] best slots and position 0 in its other entries."""
     _, g = check_code_shapes(query_codes, key_codes)
     scores = hamming_scores_reference(query_codes, key_codes, bits=bits).to(torch.int64)
     n = scores.shape[-1]
@@ -244,8 +247,12 @@ def hamming_topk_fixed_reference(
     held = position < length
     forced = (position < sink) | ((position >= length - local) & held)
     ranked = torch.where(forced, g * bits + 2, torch.where(held, scores + 1, 0))
-    picked = torch.topk(ranked * (n + 1) + position, k, dim=-1, sorted=False).indices
-    return picked, ranked.gather(-1, picked).to(fixed_score_dtype(g, bits))
+    picked = torch.topk(ranked * (n + 1) + position, k, dim=-1, sorted=counts is not None).indices
+    if counts is not None:  # best first: a row keeps its first counts[r]
+        keep = torch.arange(k, device=picked.device) < counts.view(*picked.shape[:-1], 1)
+        picked = torch.where(keep, picked, 0)
+    picked_scores = ranked.gather(-1, picked) if with_scores else ranked[..., :0]
+    return picked, picked_scores.to(fixed_score_dtype(g, bits))
 
 
 def hamming_topk_fixed(
@@ -258,10 +265,16 @@ def hamming_topk_fixed(
     sink: int = 0,
     local: int = 0,
     threshold_hint: torch.Tensor | None = None,
+    with_scores: bool = True,
+    counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`hamming_topk` (recent_first) over a fixed-shape buffer whose first `written` slots (int64 [1] on the
     codes' device) hold keys -> (indices [B, Hkv, Q, min(k, N)] int64 unordered, their ranking scores
     (`fixed_score_dtype`): 0 for an empty slot, 1 + matching bits for a key, g * bits + 2 for a forced one).
+    `with_scores=False`: the scores are not gathered (an empty last dimension), for a caller that keeps every pick.
+    counts: int32 [B * Hkv * Q] on the device, at most k each: row r takes its counts[r] best slots into its first
+    entries, position 0 into the rest (each row's own budget in a step whose budgets are device values; needs
+    with_scores=False).
 
     No host value depends on `written`, so a CUDA graph replays the op `sparsekv::hamming_topk_fixed` at every
     length. On CUDA scoring, the empty slots and forcing are fused in the Hamming kernel, then the sort-free
@@ -277,9 +290,16 @@ def hamming_topk_fixed(
     if written.dtype != torch.int64 or written.numel() != 1 or written.device != key_codes.device:
         raise ValueError(f"written must be an int64 tensor of one element on {key_codes.device}")
     _check_hint(threshold_hint, query_codes, key_codes)
+    if counts is not None:
+        rows = query_codes.shape[0] * key_codes.shape[1] * query_codes.shape[2]
+        if counts.dtype != torch.int32 or counts.shape != (rows,) or counts.device != key_codes.device:
+            raise ValueError(f"counts must be an int32 tensor [{rows}] on {key_codes.device}")
+        if with_scores:
+            raise ValueError("counts leaves padding entries: ask for with_scores=False")
     return _hamming_topk_fixed_op(
-        query_codes, key_codes, int(k), written, int(bits), int(sink), int(local), threshold_hint
-    )
+        query_codes, key_codes, int(k), written, int(bits), int(sink), int(local), threshold_hint,
+        bool(with_scores), counts,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("sparsekv::hamming_topk_fixed", mutates_args=("threshold_hint",))
@@ -292,12 +312,17 @@ def _hamming_topk_fixed_op(
     sink: int,
     local: int,
     threshold_hint: torch.Tensor | None,
+    with_scores: bool,
+    counts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return hamming_topk_fixed_reference(query_codes, key_codes, k, written, bits=bits, sink=sink, local=local)
+    return hamming_topk_fixed_reference(
+        query_codes, key_codes, k, written, bits=bits, sink=sink, local=local, with_scores=with_scores, counts=counts
+    )
 
 
 @_hamming_topk_fixed_op.register_kernel("cuda")
-def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, local, threshold_hint):
+def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, local, threshold_hint, with_scores,
+                             counts):  # fmt: skip
     from sparsekv.kernels._triton import use_triton
 
     if use_triton(query_codes, key_codes, written) and 0 < k < key_codes.shape[2]:
@@ -307,17 +332,20 @@ def _hamming_topk_fixed_cuda(query_codes, key_codes, k, written, bits, sink, loc
         if impl._query_step(query_codes, key_codes) is None:
             return impl.hamming_topk_fixed_triton(
                 query_codes, key_codes, k, written.reshape(1), bits=bits, sink=sink, local=local,
-                threshold_hint=threshold_hint,
+                threshold_hint=threshold_hint, with_scores=with_scores, counts=counts,
             )  # fmt: skip
-    return hamming_topk_fixed_reference(query_codes, key_codes, k, written, bits=bits, sink=sink, local=local)
+    return hamming_topk_fixed_reference(
+        query_codes, key_codes, k, written, bits=bits, sink=sink, local=local, with_scores=with_scores, counts=counts
+    )
 
 
 @_hamming_topk_fixed_op.register_fake
-def _hamming_topk_fixed_fake(query_codes, key_codes, k, written, bits, sink, local, threshold_hint):
+def _hamming_topk_fixed_fake(query_codes, key_codes, k, written, bits, sink, local, threshold_hint, with_scores,
+                             counts):  # fmt: skip
     b, hq, q, _ = query_codes.shape
     hkv, n = key_codes.shape[1], key_codes.shape[2]
     shape = (b, hkv, q, torch.sym_min(k, n))
     return (
         query_codes.new_empty(shape, dtype=torch.int64),
-        query_codes.new_empty(shape, dtype=fixed_score_dtype(hq // hkv, bits)),
+        query_codes.new_empty(shape[:-1] + (shape[-1] if with_scores else 0,), dtype=fixed_score_dtype(hq // hkv, bits)),
     )

@@ -106,17 +106,23 @@ def sign_hash_pair_reference(
     w2: torch.Tensor | None = None,
     b1: torch.Tensor | None = None,
     wr: torch.Tensor | None = None,
+    key_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, Q, d] and keys [B, Hkv, T, d] through one hash with per-role normalisation: queries
     x / query_scale, keys (x - key_mean) / key_scale (key_mean [Hkv, d], scales [Hkv], float32). Writes the
-    keys' codes into key_out [B, Hkv, T, bits/32] (a view into a code buffer may be passed) and returns the
-    queries' codes [B, Hq, Q, bits/32]."""
+    keys' codes into key_out [B, Hkv, T, bits/32] (a view into a code buffer may be passed), or with key_slots
+    (int64 [T]) into rows key_slots of a code buffer key_out [B, Hkv, N, bits/32]; returns the queries' codes
+    [B, Hq, Q, bits/32]."""
     group = query.shape[1] // keys.shape[1]
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     qn = query.to(dtype) / query_scale.to(dtype).repeat_interleave(group)[None, :, None, None]
     kn = (keys.to(dtype) - key_mean.to(dtype)[None, :, None, :]) / key_scale.to(dtype)[None, :, None, None]
     weights = [None if t is None else t.to(dtype) for t in (w1, w2, b1, wr)]
-    key_out.copy_(sign_hash_reference(kn, *weights))
+    key_codes = sign_hash_reference(kn, *weights)
+    if key_slots is None:
+        key_out.copy_(key_codes)
+    else:
+        key_out.index_copy_(-2, key_slots, key_codes)
     return sign_hash_reference(qn, *weights)
 
 
@@ -131,10 +137,13 @@ def sign_hash_pair(
     w2: torch.Tensor | None = None,
     b1: torch.Tensor | None = None,
     wr: torch.Tensor | None = None,
+    key_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op `sparsekv::sign_hash_pair`: a decode step's query codes and its new keys' codes (written into
-    key_out) in one kernel on CUDA, the reference elsewhere (see the reference)."""
-    return _sign_hash_pair_op(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+    key_out, at key_slots if given) in one kernel on CUDA, the reference elsewhere (see the reference)."""
+    if key_slots is not None and (key_slots.dtype != torch.int64 or key_slots.shape != keys.shape[2:3]):
+        raise ValueError(f"key_slots must be an int64 tensor of the {keys.shape[2]} new keys' rows")
+    return _sign_hash_pair_op(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, key_slots)
 
 
 @torch.library.custom_op("sparsekv::sign_hash_pair", mutates_args=("key_out",))
@@ -149,13 +158,14 @@ def _sign_hash_pair_op(
     w2: torch.Tensor | None,
     b1: torch.Tensor | None,
     wr: torch.Tensor | None,
+    key_slots: torch.Tensor | None,
 ) -> torch.Tensor:
     """CPU (and any device without its own kernel): the reference."""
-    return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+    return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, key_slots)
 
 
 @_sign_hash_pair_op.register_kernel("cuda")
-def _sign_hash_pair_cuda(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr):
+def _sign_hash_pair_cuda(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, key_slots):
     from sparsekv.kernels._triton import kernel, use_triton
 
     rows = query.shape[1] // keys.shape[1] * query.shape[2] + keys.shape[2]
@@ -163,10 +173,10 @@ def _sign_hash_pair_cuda(query, keys, key_out, key_mean, key_scale, query_scale,
     if use_triton(query, keys, w1) and fits and _fused_shapes(query, w1, w2) and keys.dtype == query.dtype:
         impl = kernel("_sign_hash_triton", "sign_hash_pair_triton")
         if impl is not None:
-            return impl(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
-    return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr)
+            return impl(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, key_slots)
+    return sign_hash_pair_reference(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, key_slots)
 
 
 @_sign_hash_pair_op.register_fake
-def _sign_hash_pair_fake(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr):
+def _sign_hash_pair_fake(query, keys, key_out, key_mean, key_scale, query_scale, w1, w2, b1, wr, key_slots):
     return query.new_empty((*query.shape[:-1], _code_words(w1, w2)), dtype=torch.int32)

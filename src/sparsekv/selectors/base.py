@@ -15,6 +15,7 @@ causality, padding and the GQA policy. A method with another selection rule (top
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import ClassVar
@@ -89,6 +90,9 @@ class Selection:
     indices: torch.Tensor
     valid: torch.Tensor = _OnDemand()
     all_valid: bool = False
+    #: every row keeps exactly its step's budget (`DecodeStep.budgets`) of cached keys: what it attends is known
+    #: on the host (fixed-shape steps then count their stats without kernels)
+    exact_budgets: bool = False
 
     def counts(self) -> torch.Tensor:
         return self.valid.sum(-1)
@@ -169,6 +173,20 @@ class StepHints:
     #: fixed-shape steps: how many of the buffer's slots hold keys, int64 [1] on the device (every row: the batch
     #: is unpadded)
     written: torch.Tensor | None = None
+    #: fixed-shape steps: <= `written` at every step of the run (the slots held when it began, plus the step's own)
+    min_written: int | None = None
+    #: fixed-shape steps: what every layer of the step shares (built by the first layer that needs it)
+    shared: dict | None = None
+
+    def picks_held(self) -> bool:
+        """A fixed-shape step's `max_budget` best slots are all held keys: no step holds fewer keys than that
+        (empty slots rank below every key), so a row's best `budgets` slots are its selection."""
+        return self.fixed and self.min_written is not None and self.max_budget <= self.min_written
+
+    def picks_only_held(self) -> bool:
+        """`picks_held`, and every row keeps all `max_budget` picks (the budgets cannot differ from it): the
+        selection is every pick, with no mask and no scores to read."""
+        return self.picks_held() and self.min_budget == self.max_budget
 
 
 def host_budget(config: SparseConfig, visible: int) -> int:
@@ -226,11 +244,12 @@ def maybe_compiled(fn, compiled: bool):
     return COMPILED[fn]
 
 
-def every_index(indices: torch.Tensor) -> Selection:
+def every_index(indices: torch.Tensor, exact_budgets: bool = False) -> Selection:
     """A selection whose entries are all valid; no mask tensor is made unless one is read."""
     return Selection(
-        indices, lambda: torch.ones(indices.shape, dtype=torch.bool, device=indices.device), all_valid=True
-    )
+        indices, lambda: torch.ones(indices.shape, dtype=torch.bool, device=indices.device), all_valid=True,
+        exact_budgets=exact_budgets,
+    )  # fmt: skip
 
 
 def _all_keys(shape: tuple[int, ...], n: int, device) -> Selection:
@@ -324,7 +343,13 @@ def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tu
     ranked = torch.where(step.visible[:, None], (scores - (lo - 1)).to(dtype), lowest)
     ranked = ranked.masked_fill(step.forced[:, None], top)
     # reversed along the keys: the select's ties go to the lowest position, i.e. the most recent key
-    picked = (n - 1) - select_topk(ranked.flip(-1), k, value_range=(lowest, top))
+    select = functools.partial(select_topk, ranked.flip(-1), k, value_range=(lowest, top))
+    if step.hints.picks_only_held():  # every row keeps all k picks
+        return every_index((n - 1) - select(), exact_budgets=True)
+    if step.hints.picks_held():  # each row its own budget of them: the select takes the counts
+        counts, valid = _row_counts(step, *scores.shape[:3], k)
+        return Selection((n - 1) - select(counts=counts), valid, exact_budgets=True)
+    picked = (n - 1) - select()
     return _keep_budgets(picked, ranked.gather(-1, picked), step)
 
 
@@ -376,11 +401,28 @@ def _fixed_hamming_core(
     from sparsekv.kernels.hamming import hamming_topk_fixed
 
     hints = step.hints
-    picked, picked_scores = hamming_topk_fixed(
-        query_codes, key_codes, hints.max_budget, hints.written, bits=bits, sink=hints.sink, local=hints.local,
+    k = hints.max_budget
+    select = functools.partial(
+        hamming_topk_fixed, query_codes, key_codes, k, hints.written, bits=bits, sink=hints.sink, local=hints.local,
         threshold_hint=_window_hint(threshold_hints, query_codes, key_codes),
     )  # fmt: skip
-    return _keep_budgets(picked, picked_scores, step)
+    if hints.picks_only_held():  # every row keeps all k picks
+        return every_index(select(with_scores=False)[0], exact_budgets=True)
+    if hints.picks_held():  # each row its own budget of them: the select takes the counts
+        counts, valid = _row_counts(step, query_codes.shape[0], key_codes.shape[1], query_codes.shape[2], k)
+        return Selection(select(with_scores=False, counts=counts)[0], valid, exact_budgets=True)
+    return _keep_budgets(*select(), step)
+
+
+def _row_counts(step: DecodeStep, b: int, s: int, q: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each selection row's budget as int32 [B * S * Q] and the valid entries of its k picks [B, S, Q, k] (its
+    first `budgets` ones), shared by the layers of a fixed-shape step (`StepHints.shared`)."""
+    shared = step.hints.shared if step.hints.shared is not None else {}
+    key = ("row counts", b, s, q, k)
+    if key not in shared:
+        counts = step.budgets.to(torch.int32)[:, None, :].expand(b, s, q).reshape(-1)
+        shared[key] = counts, torch.arange(k, device=counts.device) < counts.view(b, s, q, 1)
+    return shared[key]
 
 
 # The threshold window pays off from about this many scored keys per step (H200, 2% budget: 128K x 64 rows and
@@ -565,7 +607,12 @@ class TokenSelector:
         tensor code through torch.compile too."""
 
     def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
-        """`append` of one token at a device position [1] (no host count changes: a CUDA graph replays it)."""
+        """`append` of one token at a device position [1] (no host count changes: a CUDA graph replays it). A
+        method may leave part of it to the step's `select` (spotlight hashes the new keys with the query)."""
+
+    def complete_append(self) -> None:
+        """Finishes what `append_fixed_shape` left to `select`, for a step that will not select (a verification
+        forward attends densely): a CUDA graph replays only what its own step ran."""
 
     def end_fixed_shape(self, length: int) -> None:
         """Fixed-shape decoding ends with `length` tokens cached: the host counts catch up."""

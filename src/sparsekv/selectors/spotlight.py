@@ -380,8 +380,10 @@ class SpotlightSelector(TokenSelector):
         self._codes: torch.Tensor | None = None
         self._length = 0
         self._folded: dict = {}
-        # a decode step's new keys whose codes the query hash of the same step writes (one launch for both)
+        # a decode step's new keys whose codes the query hash of the same step writes (one launch for both), and
+        # in a fixed-shape step their slots (a device tensor)
         self._pending: torch.Tensor | None = None
+        self._pending_slots: torch.Tensor | None = None
 
     # state ---------------------------------------------------------------------------------------------------
     def _hash(self, x: torch.Tensor, role: str) -> torch.Tensor:
@@ -468,7 +470,7 @@ class SpotlightSelector(TokenSelector):
         query: torch.Tensor,
         key_mask: torch.Tensor | None = None,
     ) -> None:
-        self._codes, self._length, self._pending = None, 0, None
+        self._codes, self._length, self._pending, self._pending_slots = None, 0, None, None
         self.append(keys, values)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -503,16 +505,28 @@ class SpotlightSelector(TokenSelector):
             self._codes = grown
 
     def append_fixed_shape(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
-        self._codes.index_copy_(-2, position, self._hash(keys, "k"))
+        if self._defers(keys):
+            self._pending, self._pending_slots = keys, position
+        else:
+            self._codes.index_copy_(-2, position, self._hash(keys, "k"))
 
     def end_fixed_shape(self, length: int) -> None:
+        self._hash_pending()
         self._length = length
 
+    def complete_append(self) -> None:
+        self._hash_pending()
+
     def _hash_pending(self) -> None:
-        if self._pending is not None:
+        if self._pending is None:
+            return
+        codes = self._hash(self._pending, "k")
+        if self._pending_slots is not None:
+            self._codes.index_copy_(-2, self._pending_slots, codes)
+        else:
             t = self._pending.shape[-2]
-            self._codes[..., self._length - t : self._length, :] = self._hash(self._pending, "k")
-            self._pending = None
+            self._codes[..., self._length - t : self._length, :] = codes
+        self._pending = self._pending_slots = None
 
     def _query_codes(self, query: torch.Tensor) -> torch.Tensor:
         """The step's query codes; deferred new keys are hashed in the same launch, into their slots."""
@@ -520,10 +534,14 @@ class SpotlightSelector(TokenSelector):
             return self._hash(query, "q")
         from sparsekv.kernels.sign_hash import sign_hash_pair
 
-        t = self._pending.shape[-2]
-        slots = self._codes[..., self._length - t : self._length, :]
-        codes = sign_hash_pair(query, self._pending, slots, *self._pair_weights(query.device))
-        self._pending = None
+        weights = self._pair_weights(query.device)
+        if self._pending_slots is not None:  # fixed shape: the slots are a device position
+            codes = sign_hash_pair(query, self._pending, self._codes, *weights, key_slots=self._pending_slots)
+        else:
+            t = self._pending.shape[-2]
+            slots = self._codes[..., self._length - t : self._length, :]
+            codes = sign_hash_pair(query, self._pending, slots, *weights)
+        self._pending = self._pending_slots = None
         return codes
 
     @property
