@@ -364,7 +364,8 @@ class SparseCache(Cache):
         #: forwards of lossless decoding
         self.attend_densely = False
         self.stats = BudgetStats(len(infos), shards=infos[0].shards if infos else 1)
-        #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step)
+        #: record tokens attended per decode step in `stats` (a few small kernels per sparse layer and step, none
+        #: where a fixed-shape step's counts are known on the host)
         self.record_stats = True
         #: fixed-shape decoding (`begin_fixed_shape`): the step's write position [1] and which of the buffer's
         #: slots it sees [1, 1, capacity], both on the device and rewritten in place by `prepare_fixed_step`
