@@ -124,6 +124,35 @@ def four_dense(real_model, four_prompts):
     return sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method="dense"), max_new_tokens=32)
 
 
+def test_lossless_rounds_on_spotlights_device_path_are_dense_token_for_token(real_model, four_prompts, four_dense,
+                                                                           monkeypatch):  # fmt: skip
+    """What a GPU's captured rounds run for spotlight, here through the ops' references: each draft step hashes its
+    new key in the query's launch at its device slot and picks each row's budget by device count; a verification
+    selects nothing, so it hashes its drafts' keys on their own (`complete_append`). The output is dense's."""
+    from sparsekv.selectors import spotlight
+    from sparsekv.selectors.base import _fixed_hamming_core
+
+    def device_select(query_codes, key_codes, bits, step, threshold_hints=None):
+        if step.hints is None or not step.hints.fixed:
+            return None
+        return _fixed_hamming_core(query_codes(), key_codes, bits, step, threshold_hints)
+
+    completed, left_pending = [], []
+    complete, append = spotlight.SpotlightSelector.complete_append, spotlight.SpotlightSelector.append_fixed_shape
+    monkeypatch.setattr(spotlight.SpotlightSelector, "append_fixed_shape",
+                        lambda self, *args: left_pending.append(self._pending is not None) or append(self, *args))
+    monkeypatch.setattr(spotlight, "fixed_hamming_selection", device_select)
+    monkeypatch.setattr(spotlight.SpotlightSelector, "_defers", lambda self, keys: True)
+    monkeypatch.setattr(spotlight.SpotlightSelector, "complete_append",
+                        lambda self: completed.append(self._pending_slots is not None) or complete(self))  # fmt: skip
+    model, tokenizer = real_model
+    result = sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method="spotlight", budget=0.05),
+                               max_new_tokens=32, lossless=True, draft_tokens=4, graph_decode=True)  # fmt: skip
+    assert result.new_token_ids == four_dense.new_token_ids
+    assert result.decode_paths["fixed-shape"] >= 5 and any(completed)
+    assert left_pending and not any(left_pending)  # no step's key codes were still unwritten at the next step
+
+
 @pytest.mark.parametrize("method", ["spotlight", "oracle-topk"])
 def test_lossless_rounds_at_fixed_shapes_are_dense_token_for_token(real_model, four_prompts, four_dense, method):
     """After the first round, the draft step and the verification run at fixed shapes (what CUDA graphs replay;
