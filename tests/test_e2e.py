@@ -432,6 +432,48 @@ def test_bench_generate_times_every_row_through_model_generate(tmp_path):
     assert all(r["step_ms"] is None for r in rows.values())  # no CUDA graph to replay alone on CPU
 
 
+def test_bench_generate_synthetic_prefill_continues_from_the_same_kv():
+    """`--prefill synthetic`: transformers' DynamicCache and a SparseCache get the same random K/V, generate()
+    continues from either with the same tokens (HF dense vs sparsekv's dense step), and every row of the bench
+    decodes from its filled cache; the rows and models it cannot fill are refused before any model loads."""
+    import sparsekv
+    from sparsekv.bench.e2e_run import synthetic_fill, synthetic_hf_cache
+    from sparsekv.bench.generate import run_generate
+    from sparsekv.cache import SparseCache
+    from sparsekv.config import ConfigError
+    from sparsekv.hf_compat import cache_kwargs
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-llama", dtype=torch.float32, seed=0)
+    hf = synthetic_hf_cache(model, 2, 50, chunk=16, seed=3)
+    ours = SparseCache.for_model(model, SparseConfig(method="dense"), initial_capacity=60)
+    synthetic_fill(model, ours, 2, 50, chunk=16, seed=3)
+    for mine, theirs in zip(ours.layers, hf.layers, strict=True):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    ids = torch.randint(3, 500, (2, 51), generator=torch.Generator().manual_seed(1))
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    plain = model.generate(ids, **cache_kwargs(model, hf), **kwargs)
+    with sparsekv.enabled(model, SparseConfig(method="dense")):
+        assert torch.equal(model.generate(ids, **cache_kwargs(model, ours), **kwargs), plain)
+
+    result = run_generate("tiny-llama", layers=3, context=96, batch=2, rows=("hf-dense", "dense", "self-index"),
+                          budget=0.1, new_tokens=4, warmup=1, device="cpu", prefill="synthetic")  # fmt: skip
+    rows = {r["row"]: r for r in result["summary"]}
+    assert result["prefill"] == "synthetic" and all(r["tpot_ms"] > 0 for r in rows.values())
+    assert 96 < rows["self-index"]["avg_context_tokens"] < 96 + 7  # the filled prompt, then the new tokens
+    for rows_, kwargs_, message in [
+        (("hf-static-compile",), {}, "hf-static-compile"),
+        (("lsh@lossless",), {}, "lsh@lossless"),
+        (("dense",), {"prefill_chunk_size": 16}, "--prefill-chunk-size"),
+        (("dense",), {"prefill": "disk"}, "prefill must be one of"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            run_generate("tiny-llama", layers=2, context=64, rows=rows_, device="cpu",
+                         **{"prefill": "synthetic", **kwargs_})  # fmt: skip
+    with pytest.raises(ConfigError, match="real weights"):
+        run_generate("embedded", context=64, rows=("dense",), device="cpu", prefill="synthetic")
+
+
 def test_bench_generate_rows_name_their_path_and_budget():
     from sparsekv.bench.generate import config_for, decode_path, parse_row
     from sparsekv.config import ConfigError

@@ -173,6 +173,9 @@ def generate(
     rounds: Annotated[int, typer.Option(help="all rows again, in turn (best round reported)")] = 1,
     tp: Annotated[int, typer.Option(
         help="tensor parallelism over this many GPUs (launch with torchrun --nproc-per-node TP); rank 0 reports")] = 1,
+    prefill: Annotated[str, typer.Option(
+        help="model: the model prefills the prompt | synthetic: random K/V written into each row's cache, "
+        "generate() continuing from it (random-weight models; skips a long prefill)")] = "model",
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Decode TPOT through model.generate(): HF dense, HF static cache + compile and each method, one process."""
@@ -184,7 +187,7 @@ def generate(
     rank = int(os.environ.get("RANK", "0"))
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
                           top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
-                          prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp,
+                          prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp, prefill=prefill,
                           progress=_progress if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
@@ -253,6 +256,9 @@ def throughput(
         int, typer.Option(help="transformers' chunked prefill: bounds the prompt's activations per sequence")
     ] = 1024,
     max_batch: Annotated[int, typer.Option(help="the largest batch the search tries")] = 1024,
+    prefill: Annotated[str, typer.Option(
+        help="model: the model prefills each batch tried | synthetic: random K/V written into the cache, "
+        "generate() continuing from it (skips a long context's prefill)")] = "model",
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG of tokens/s vs batch here (matplotlib)")] = None,
 ) -> None:
@@ -265,7 +271,7 @@ def throughput(
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     result = run_throughput(model, layers=layers, context=context, memory_gb=memory_gb, rows=names, budget=budget,
                             top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
-                            prefill_chunk_size=prefill_chunk_size, max_batch=max_batch,
+                            prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, prefill=prefill,
                             progress=_progress)  # fmt: skip
     _print_throughput(result)
     _write(result, output)

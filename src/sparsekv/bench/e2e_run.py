@@ -28,28 +28,54 @@ def parse_layers(text: str | None) -> tuple[int, ...]:
 
 def synthetic_fill(model, cache, batch: int, context: int, *, chunk: int = 8192, seed: int = 0) -> None:
     """Writes `context` random tokens of K/V into every layer as a prompt fed in chunks, then hands the whole
-    prompt to the selectors as the attention function does (`finish_prompt`, with random prompt queries)."""
-    info = cache.infos[0]
+    prompt to the selectors as the attention function does (`finish_prompt`, with random prompt queries). The K/V
+    are `synthetic_kv`'s: the same values for the same seed whatever the method (the queries come from their own
+    stream)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for idx, layer in enumerate(cache.layers):
-        for start in range(0, context, chunk):
-            t = min(chunk, context - start)
-            k = torch.randn(
-                batch, info.num_kv_heads, t, info.head_dim, device=device, dtype=dtype, generator=gen
-            )
-            v = torch.randn(
-                batch, info.num_kv_heads, t, info.head_dim, device=device, dtype=dtype, generator=gen
-            )
+    queries = torch.Generator(device=device).manual_seed(seed + 1)
+    for idx, (layer, info, chunks) in enumerate(zip(cache.layers, cache.infos, synthetic_kv(model, batch, context,
+                                                                                            chunk=chunk, seed=seed))):
+        for k, v in chunks:
             keys, values = cache.update(k, v, idx)
             del k, v
         if layer.selector is not None:
             window = layer.selector.prompt_query_window()
             q_len = context if window is None else min(window, context)
-            q = torch.randn(batch, info.num_heads, q_len, info.head_dim, device=device, dtype=dtype, generator=gen)
+            q = torch.randn(batch, info.num_heads, q_len, info.head_dim, device=device, dtype=dtype, generator=queries)
             layer.finish_prompt(keys, values, q, key_mask=None)
         del keys, values
+
+
+def synthetic_kv(model, batch: int, context: int, *, chunk: int = 8192, seed: int = 0):
+    """Per layer, an iterator over the random K/V chunks [B, Hkv, <= chunk, d] of a `context`-token prompt (the
+    model's dtype and device; one generator drawn layer by layer, chunk by chunk, keys before values)."""
+    from sparsekv.cache import layer_infos
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def chunks(info):
+        for start in range(0, context, chunk):
+            shape = (batch, info.num_kv_heads, min(chunk, context - start), info.head_dim)
+            k = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+            yield k, torch.randn(shape, device=device, dtype=dtype, generator=gen)
+
+    for info in layer_infos(model):
+        yield chunks(info)
+
+
+def synthetic_hf_cache(model, batch: int, context: int, *, chunk: int = 8192, seed: int = 0):
+    """transformers' own DynamicCache holding `synthetic_fill`'s K/V (the same values for the same seed): what a
+    Hugging Face row continues from when the prompt is not prefilled by the model."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for idx, chunks in enumerate(synthetic_kv(model, batch, context, chunk=chunk, seed=seed)):
+        for k, v in chunks:
+            cache.update(k, v, idx)
+    return cache
 
 
 def model_prefill(model, new_cache, config: SparseConfig, ids: torch.Tensor):

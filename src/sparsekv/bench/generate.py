@@ -37,9 +37,14 @@ import time
 
 import torch
 
+from sparsekv.bench.e2e_run import synthetic_fill, synthetic_hf_cache
+from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.hf_compat import cache_kwargs
 
 HF_ROWS = ("hf-dense", "hf-static-compile")
+#: how a row's prompt gets into its cache: the model's own prefill, or K/V written directly (`time_generate`)
+PREFILLS = ("model", "synthetic")
 DEFAULT_METHODS = ("dense", "spotlight", "lsh", "quest", "twilight", "double-sparsity", "self-index")
 EAGER_SUFFIX = "@eager"
 COMPILE_SUFFIX = "@compile"
@@ -115,9 +120,15 @@ def config_for(row: str, budget: float, top_p: float | None, dense_below: int | 
 
 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
-                  warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None) -> dict:  # fmt: skip
+                  warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None,
+                  prefill: str = "model", seed: int = 0) -> dict:  # fmt: skip
     """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
-    and (methods) the tokens attended per step."""
+    and (methods) the tokens attended per step.
+
+    prefill="synthetic": the prompt's K/V are written into the row's cache directly (random values, the same for
+    every row: `synthetic_fill`, `synthetic_hf_cache`), and `model.generate()` continues from that cache, its
+    first forward being the prompt's last token. The decode steps are the same; a long context's prefill is
+    skipped (at 128K it takes about 21 s per sequence on an H200, 32 layers)."""
     import sparsekv
 
     if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
@@ -144,8 +155,14 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
         torch.cuda.reset_peak_memory_stats(device)
     result: dict = {"row": row}
     paths = None
+    filled = prefill == "synthetic"
+    if filled:  # the cache holds the prompt but its last token, which generate() feeds as its first forward
+        batch, context = ids.shape[0], ids.shape[1] - 1
+        kwargs["prefill_chunk_size"] = None
     try:
         if config is None:
+            if filled:
+                kwargs.update(cache_kwargs(model, synthetic_hf_cache(model, batch, context, seed=seed)))
             model.generate(ids, **kwargs)
             stats = None
         else:
@@ -154,6 +171,10 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
             compile_step = path == COMPILE_SUFFIX
             with sparsekv.enabled(model, config, graph_decode=graph_decode, compile_step=compile_step) as rt:
                 runtime.append(rt)
+                if filled:
+                    cache = SparseCache.for_model(model, config, initial_capacity=context + steps + 1)
+                    synthetic_fill(model, cache, batch, context, seed=seed)
+                    kwargs.update(cache_kwargs(model, cache))
                 model.generate(ids, **kwargs)
                 stats = sparsekv.last_cache(model).stats.summary()
                 paths = dict(rt.graph.steps)
@@ -261,9 +282,13 @@ def run_generate(
     seed: int = 0,
     device: str | None = None,
     tp: int = 1,
+    prefill: str = "model",
     progress=None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
+
+    prefill: "model" (the model prefills the prompt) or "synthetic" (random K/V written into each row's cache,
+    generate() continuing from it: `time_generate`), for random-weight models.
 
     dense_below: the methods' dense fallback threshold (`SparseConfig.dense_below`; None = each method's default,
     0 = always the method's own step: what measures the crossover).
@@ -285,6 +310,7 @@ def run_generate(
         if row not in HF_ROWS:
             get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
             config_for(row, budget, top_p, dense_below)  # bad budget / top_p for a method: its ConfigError, before the model
+    check_prefill(prefill, rows, model=model, prefill_chunk_size=prefill_chunk_size)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     started = time.perf_counter()
@@ -307,12 +333,15 @@ def run_generate(
     say(f"model ready: {net.config.num_hidden_layers} layers, tp {tp} ({time.perf_counter() - started:.0f} s)")
     if model not in REAL_MODELS:
         generator = torch.Generator().manual_seed(seed)
-        ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator).to(dev)
+        # a synthetic prefill caches `context` tokens: generate() takes them plus the one it feeds first
+        length = context + (prefill == "synthetic")
+        ids = torch.randint(3, net.config.vocab_size, (batch, length), generator=generator).to(dev)
     results: list[dict] = []
     for round_index in range(rounds):
         for row in rows:
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
-                                  prefill_chunk_size=prefill_chunk_size, dense_below=dense_below)  # fmt: skip
+                                  prefill_chunk_size=prefill_chunk_size, dense_below=dense_below, prefill=prefill,
+                                  seed=seed)  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
             say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
@@ -330,9 +359,28 @@ def run_generate(
         "new_tokens": new_tokens,
         "warmup": warmup,
         "prefill_chunk_size": prefill_chunk_size,
+        "prefill": prefill,
         "results": results,
         "summary": summarize(results),
     }
+
+
+def check_prefill(prefill: str, rows: tuple[str, ...], *, model: str, prefill_chunk_size: int | None) -> None:
+    """One ConfigError for a prefill mode the rows or the model cannot take."""
+    if prefill not in PREFILLS:
+        raise ConfigError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
+    if prefill == "model":
+        return
+    if model in REAL_MODELS:
+        raise ConfigError(f"--model {model} has real weights and text: its prompts are prefilled by the model "
+                          "(--prefill synthetic is for random-weight models)")  # fmt: skip
+    if prefill_chunk_size is not None:
+        raise ConfigError("--prefill-chunk-size sets how the model prefills: drop it with --prefill synthetic")
+    refused = [row for row in rows if row == "hf-static-compile" or parse_row(row)[1] in (LOSSLESS_SUFFIX,
+                                                                                            LOSSLESS_COMPILE_SUFFIX)]
+    if refused:
+        raise ConfigError(f"--prefill synthetic fills a DynamicCache or a SparseCache; rows {', '.join(refused)} "
+                          "prefill their own (a static cache, lossless rounds): drop them or prefill with the model")
 
 
 def decode_path(paths: dict | None) -> str:

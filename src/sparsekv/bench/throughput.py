@@ -13,7 +13,9 @@ not `hf-static-compile`, which would compile again for every batch the search tr
   weights included, as a GPU of that size would (the CUDA context and other processes are outside it).
 - the prompt is prefilled with transformers' chunked prefill (`prefill_chunk_size`), the whole batch at once: the
   prompt's activations grow with batch x chunk, not batch x context, so with a chunk small next to the context the
-  KV cache, not the prefill, decides the batch.
+  KV cache, not the prefill, decides the batch. With `prefill="synthetic"` the prompt's K/V are written into the
+  cache instead (random, layer by layer) and generate() continues from it: the same cache and decode steps,
+  without the minutes a long context's prefill takes for every batch tried.
 - the numbers reported for a row (TPOT, tokens/s, peak memory) are those of its run at its largest batch: the run
   that showed the batch fits is the measurement (one run per batch tried; the other batches' runs give the plot's
   curve of tokens/s against batch).
@@ -31,7 +33,14 @@ from pathlib import Path
 
 import torch
 
-from sparsekv.bench.generate import HF_ROWS, config_for, method_of, run_environment, time_generate
+from sparsekv.bench.generate import (
+    HF_ROWS,
+    check_prefill,
+    config_for,
+    method_of,
+    run_environment,
+    time_generate,
+)
 from sparsekv.config import ConfigError
 
 #: the rows that keep every token: the reference each method's tokens/s is compared with
@@ -162,18 +171,20 @@ def _out_of_memory(message: str) -> bool:
     return "OutOfMemoryError" in message or "out of memory" in message.lower()
 
 
-def gpu_measure(net, *, context: int, seed: int, progress=None, **timing) -> Measure:
-    """The real measuring function: `time_generate` of a batch of random prompts; a capture that ran out of memory
-    (graph_decode then decodes eagerly) is reported as not fitting. Memory is freed after every try. `progress`
-    is told each try's outcome in a line."""
+def gpu_measure(net, *, context: int, seed: int, prefill: str = "model", progress=None, **timing) -> Measure:
+    """The real measuring function: `time_generate` of a batch of random prompts (prefilled as `prefill` says);
+    a capture that ran out of memory (graph_decode then decodes eagerly) is reported as not fitting. Memory is
+    freed after every try. `progress` is told each try's outcome in a line."""
 
     def measure(row: str, batch: int) -> dict:
         ids = None
         try:
             generator = torch.Generator().manual_seed(seed)  # the same prompts for every row
-            ids = torch.randint(3, net.config.vocab_size, (batch, context), generator=generator)
+            # a synthetic prefill caches `context` tokens: generate() takes them plus the one it feeds first
+            length = context + (prefill == "synthetic")
+            ids = torch.randint(3, net.config.vocab_size, (batch, length), generator=generator)
             ids = ids.to(net.device)
-            result = time_generate(net, ids, row, **timing)
+            result = time_generate(net, ids, row, prefill=prefill, seed=seed, **timing)
         except torch.OutOfMemoryError as error:
             result = {"row": row, "error": f"out of memory: {str(error).splitlines()[0][:200]}"}
         del ids
@@ -204,10 +215,12 @@ def run_throughput(
     prefill_chunk_size: int = 1024,
     max_batch: int = 1024,
     seed: int = 0,
+    prefill: str = "model",
     progress=None,
 ) -> dict:
     """Every row's largest batch under the memory limit and its decode speed there (see the module's docstring);
-    `progress` is told each try's outcome in a line."""
+    `progress` is told each try's outcome in a line. prefill="synthetic": each try's prompt K/V are written into
+    its cache (`time_generate`), so a long context's batch search does not spend minutes prefilling."""
     from sparsekv.bench.e2e import build_model
 
     for what, value, least in (("context", context, 2), ("new_tokens", new_tokens, 1), ("warmup", warmup, 0),
@@ -217,6 +230,8 @@ def run_throughput(
     if memory_gb is not None and not memory_gb > 0:
         raise ConfigError(f"--memory-gb must be > 0, got {memory_gb}")
     check_rows(rows, budget, top_p)
+    chunk = prefill_chunk_size if prefill == "model" else None  # a synthetic prefill feeds no prompt chunks
+    check_prefill(prefill, rows, model=model, prefill_chunk_size=chunk)
     # unknown model: a ConfigError; the weights' size decides below whether the limit can hold them at all
     meta = build_model(model, layers=layers, dtype=torch.bfloat16, device="meta")
     weights = sum(p.numel() for p in meta.parameters()) * 2
@@ -232,9 +247,9 @@ def run_throughput(
                           f"--layers")  # fmt: skip
     with memory_limit(device, limit):
         net = build_model(model, layers=layers, dtype=torch.bfloat16, device=device, seed=seed)
-        measure = gpu_measure(net, context=context, seed=seed, progress=progress, budget=budget, top_p=top_p,
-                              dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
-                              prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+        measure = gpu_measure(net, context=context, seed=seed, prefill=prefill, progress=progress, budget=budget,
+                              top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
+                              prefill_chunk_size=chunk)  # fmt: skip
         found = throughput_search(rows, measure, max_batch)
         del net, measure
         _free_memory()
@@ -250,7 +265,8 @@ def run_throughput(
         "dense_below": dense_below,
         "new_tokens": new_tokens,
         "warmup": warmup,
-        "prefill_chunk_size": prefill_chunk_size,
+        "prefill_chunk_size": chunk,
+        "prefill": prefill,
         "max_batch": max_batch,
         **found,
     }
