@@ -233,6 +233,31 @@ def test_synthetic_fill_equals_one_shot_prefill():
     assert chunked.layers[0]._key_buffer.shape[-2] == 40  # preallocated, no growth
 
 
+def test_synthetic_fill_stores_a_compressing_selectors_prompt_chunk_by_chunk(monkeypatch):
+    """Self-index takes a synthetic prompt as it takes a chunked prefill: once `prompt_stats_tokens` are in, the
+    later chunks are compressed as they come, so no layer holds the whole prompt at 16 bits (what would decide
+    the largest batch a throughput search finds); the stored prompt then decodes."""
+    import sparsekv
+    from sparsekv.cache import SparseLayer
+    from sparsekv.hf_compat import cache_kwargs
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-llama", dtype=torch.float32, seed=0)
+    config = SparseConfig(method="self-index", budget=0.1, dense_layers=(), options={"prompt_stats_tokens": 64})
+    grown, grow = [], SparseLayer._grow
+    monkeypatch.setattr(SparseLayer, "_grow",
+                        lambda self, buf, like, cap: grown.append(cap) or grow(self, buf, like, cap))  # fmt: skip
+    cache = SparseCache.for_model(model, config, initial_capacity=260)
+    synthetic_fill(model, cache, 2, 250, chunk=32, seed=5)
+    assert grown and max(grown) < 250  # the first chunks only, never the whole prompt
+    assert all(layer.length == 250 and not layer.prompt_open for layer in cache.layers)
+    ids = torch.randint(3, 500, (2, 251), generator=torch.Generator().manual_seed(2))
+    with sparsekv.enabled(model, config):
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                             pad_token_id=0, **cache_kwargs(model, cache))  # fmt: skip
+    assert out.shape == (2, 254) and cache.layers[0].length == 253
+
+
 @pytest.mark.parametrize("prefill", ["model", "synthetic"])
 def test_run_e2e_small_cpu(prefill):
     result = run_e2e("tiny-llama", context=48, batch=2, method="spotlight", budget=0.25, new_tokens=2,

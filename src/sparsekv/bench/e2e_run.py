@@ -27,24 +27,23 @@ def parse_layers(text: str | None) -> tuple[int, ...]:
 
 
 def synthetic_fill(model, cache, batch: int, context: int, *, chunk: int = 8192, seed: int = 0) -> None:
-    """Writes `context` random tokens of K/V into every layer as a prompt fed in chunks, then hands the whole
-    prompt to the selectors as the attention function does (`finish_prompt`, with random prompt queries). The K/V
-    are `synthetic_kv`'s: the same values for the same seed whatever the method (the queries come from their own
-    stream)."""
+    """Writes `context` random tokens of K/V into every layer as a prompt fed in chunks, each chunk handed to the
+    layer with random queries as the attention function hands a prefill chunk (`prompt_chunk_attended`): the
+    selectors build their state from the whole prompt, and a compressing one (self-index) stores a long prompt
+    chunk by chunk, so that no layer ever holds the whole prompt in 16 bits. The K/V are `synthetic_kv`'s: the
+    same values for the same seed whatever the method (the queries come from their own stream)."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     queries = torch.Generator(device=device).manual_seed(seed + 1)
-    for idx, (layer, info, chunks) in enumerate(zip(cache.layers, cache.infos, synthetic_kv(model, batch, context,
-                                                                                            chunk=chunk, seed=seed))):
+    fills = synthetic_kv(model, batch, context, chunk=chunk, seed=seed)
+    for idx, (layer, info, chunks) in enumerate(zip(cache.layers, cache.infos, fills)):
         for k, v in chunks:
             keys, values = cache.update(k, v, idx)
-            del k, v
-        if layer.selector is not None:
-            window = layer.selector.prompt_query_window()
-            q_len = context if window is None else min(window, context)
-            q = torch.randn(batch, info.num_heads, q_len, info.head_dim, device=device, dtype=dtype, generator=queries)
-            layer.finish_prompt(keys, values, q, key_mask=None)
-        del keys, values
+            if layer.selector is not None:
+                shape = (batch, info.num_heads, k.shape[-2], info.head_dim)
+                q = torch.randn(shape, device=device, dtype=dtype, generator=queries)
+                layer.prompt_chunk_attended(keys, values, q, None, layer.length == context)
+            del k, v, keys, values
 
 
 def synthetic_kv(model, batch: int, context: int, *, chunk: int = 8192, seed: int = 0):
