@@ -158,9 +158,11 @@ def _lut_topk_fixed():
     codes[:, :, 20:] = codes[:, :, :1]  # equal scores
     forced = torch.tensor([[[4, 2**31 - 1, 30], [9, 2, 2**31 - 1]]] * 2)
     return [
-        (table, codes, 9, torch.tensor([23]), forced, 2, 3),
-        (table, codes, 9, torch.tensor([37]), forced[..., :1], 0, 0),
-        (table, codes, 30, torch.tensor([5]), forced, 1, 2),  # more picks than written slots: empty ones come in
+        (table, codes, 9, torch.tensor([23]), forced, 2, 3, None),
+        (table, codes, 9, torch.tensor([37]), forced[..., :1], 0, 0, None),
+        (table, codes, 30, torch.tensor([5]), forced, 1, 2, None),  # more picks than written slots: empty ones come in
+        # each row its own count of the best, padded with position 0
+        (table, codes, 9, torch.tensor([23]), forced, 2, 3, torch.tensor([9, 4, 7, 1], dtype=torch.int32)),
     ]
 
 

@@ -125,6 +125,33 @@ def test_spotlight_fixed_step_on_the_device_path_equals_eager(real_model, prompt
     assert fixed_stats["per_layer_avg_tokens"] == pytest.approx(eager_stats["per_layer_avg_tokens"], rel=1e-9)
 
 
+@pytest.mark.parametrize("budget", [48, 0.05])
+def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, prompt, monkeypatch, budget):
+    """What a CUDA fixed-shape self-index step runs, here through the ops' references: the fused first stage
+    keeping each row's own 3 x budget candidates in the select (a budget that stays the same over the run, 48
+    tokens: every pick, no mask; 5%: each row's own count), the re-rank, and the stats counted on the host when
+    the steps end, without kernels in the steps. The eager path's tokens and stats."""
+    from sparsekv.selectors.self_index import selector
+    from sparsekv.stats import BudgetStats
+
+    device_adds, counted = [], []
+    monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
+    fused = selector.lut_topk_fixed
+    monkeypatch.setattr(selector, "lut_topk_fixed",
+                        lambda *args, **kw: counted.append(kw["counts"] is not None) or fused(*args, **kw))  # fmt: skip
+    add = BudgetStats.add
+    monkeypatch.setattr(BudgetStats, "add", lambda *args: device_adds.append(args) or add(*args))
+    config = SparseConfig(method="self-index", budget=budget, local=4, dense_below=0)
+    eager, _, eager_cache = _generate(model := real_model[0], prompt, config, graph_decode=False, steps=24)
+    fixed, steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
+    assert torch.equal(fixed, eager) and steps["fixed-shape"] == 22
+    assert counted and all(c == (budget != 48) for c in counted) and not device_adds
+    eager_stats, fixed_stats = eager_cache.stats.summary(), fixed_cache.stats.summary()
+    for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
+        assert fixed_stats[key] == pytest.approx(eager_stats[key], rel=1e-9)
+    assert fixed_stats["per_layer_avg_tokens"] == pytest.approx(eager_stats["per_layer_avg_tokens"], rel=1e-9)
+
+
 def test_padded_batches_and_methods_without_a_fixed_step_decode_eagerly(real_model):
     model, tokenizer = real_model
     tokenizer.padding_side = "left"
@@ -256,16 +283,18 @@ def _to_meta(state) -> None:
                                             ("self-index", {"kv_bits": 16, "rescore": 0})])  # fmt: skip
 @pytest.mark.parametrize("gqa", ["group", "head"])
 @pytest.mark.parametrize("sink,local", [(2, 3), (0, 0)])  # quest without forced tokens: its page-level path
-def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value(method, options, gqa, sink, local):
+def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value(method, options, gqa, sink, local,
+                                                                                budget=0.2, held=False):  # fmt: skip
     """The selector alone, on random keys: each fixed-shape step keeps the ordinary step's tokens, and the step
-    runs on meta tensors too, which fail on any host read of a device value (what CUDA graph capture forbids)."""
+    runs on meta tensors too, which fail on any host read of a device value (what CUDA graph capture forbids).
+    held: the steps say how many slots are written at least (`StepHints.min_written`)."""
     import copy
 
     from sparsekv.attention import forced_tokens, token_budgets
     from sparsekv.registry import get_method_class
     from sparsekv.selectors.base import DecodeStep, LayerInfo, StepHints, host_budget
 
-    config = SparseConfig(method=method, budget=0.2, sink=sink, local=local, gqa=gqa, options=options)
+    config = SparseConfig(method=method, budget=budget, sink=sink, local=local, gqa=gqa, options=options)
     layer = LayerInfo(2, 4, num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25)
     cls = get_method_class(method)
     eager, fixed = cls(config=config, layer=layer, **options), cls(config=config, layer=layer, **options)
@@ -293,7 +322,7 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
         budgets = token_budgets(config, visible, forced)
         hints = StepHints(max_budget=host_budget(config, capacity), uniform=False, sink=config.sink,
                           local=config.local, fixed=True, min_budget=host_budget(config, prompt + 2),
-                          written=torch.full((1,), n, device=device))  # fmt: skip
+                          written=torch.full((1,), n, device=device), min_written=prompt + 2 if held else None)  # fmt: skip
         on = lambda t: t.to(device)
         return DecodeStep(on(queries[..., n - 1 : n, :]), on(buffer), on(buffer), on(visible), on(forced),
                           on(budgets), layer, gqa, hints)  # fmt: skip
@@ -369,22 +398,34 @@ def test_self_index_fixed_shape_device_rule_keeps_the_eager_set(monkeypatch, opt
 @pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"residual": 8, "k_group": 4, "sink_tokens": 4},
                                      {"sink_tokens": 8, "sink_share": 0.5}])
 @pytest.mark.parametrize("gqa", ["group", "head"])
-def test_self_index_fused_first_stage_keeps_the_eager_set(monkeypatch, options, gqa):
+@pytest.mark.parametrize("held", [False, True])
+def test_self_index_fused_first_stage_keeps_the_eager_set(monkeypatch, options, gqa, held):
     """On CUDA a fixed-shape self-index step scores, forces and picks its candidates in one op (`lut_topk_fixed`);
     here that op's reference runs in its place: the same tokens as the CPU rule, sinks that only some budgets force
     included (sink_share 0.5 of a 15-token budget: 7 of 8). gqa="head" with 2 heads per kv head keeps the CPU
-    rule (the op sums a group's queries)."""
+    rule (the op sums a group's queries). held: every pick is a written key (`StepHints.picks_held`, budget 10%
+    so that 3 x the budget fits the prompt), so the op keeps each row's own count and the selection its exact
+    budget."""
     from sparsekv.kernels import lut_score
     from sparsekv.selectors.self_index import selector
 
-    calls = []
+    calls, exact = [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
     monkeypatch.setattr(selector, "lut_topk_fixed",
-                        lambda *args, **kw: calls.append(args[2]) or lut_score.lut_topk_fixed(*args, **kw))  # fmt: skip
+                        lambda *args, **kw: calls.append((args[2], kw["counts"])) or lut_score.lut_topk_fixed(*args, **kw))  # fmt: skip
+    fused = selector.SelfIndexSelector._select_fused
+    monkeypatch.setattr(selector.SelfIndexSelector, "_select_fused",
+                        lambda *args: (chosen := fused(*args), exact.append(chosen.exact_budgets))[0])  # fmt: skip
+    budget = 0.1 if held else 0.2
     test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value("self-index", options, gqa,
-                                                                                 sink=2, local=3)  # fmt: skip
-    assert bool(calls) == (gqa == "group")  # the fused op ran, picking rescore x the step's budget (15 at most)
-    assert not calls or max(calls) == (15 if options.get("rescore") == 0 else 45)
+                                                                                 sink=2, local=3, budget=budget,
+                                                                                 held=held)  # fmt: skip
+    assert bool(calls) == (gqa == "group")  # the fused op ran, picking rescore x the step's budget at most
+    most = 8 if held else 15  # the budget of the whole buffer (75 slots)
+    assert not calls or max(k for k, _ in calls) == (most if options.get("rescore") == 0 else 3 * most)
+    # held (budgets that grow from 5 to 8 tokens), the op keeps each row's count and the selection exactly its budget
+    assert all((counts is not None) == held for _, counts in calls)
+    assert len(exact) == len(calls) and all(e == held for e in exact)
 
 
 def test_best_within_keeps_each_rows_budget_of_its_best_values():

@@ -638,6 +638,15 @@ def test_lut_topk_fixed_triton(impl, d, n, k):
         got = lut.lut_topk_fixed_triton(*(t.to(DEV) for t in (table, codes)), k, written.to(DEV), forced.to(DEV),
                                         sink=sink, local=local)  # fmt: skip
         _assert_same("lut_topk_fixed", [t.cpu() for t in got], want)
+    # each row its own count: its counts[r] best first (as a set), then position 0
+    counts = torch.randint(k // 2, k + 1, (b * hkv,), generator=gen, dtype=torch.int32)
+    want, _ = lut_topk_fixed_reference(table, codes, k, written, forced, sink=2, local=3, counts=counts)
+    got, _ = lut.lut_topk_fixed_triton(*(t.to(DEV) for t in (table, codes)), k, written.to(DEV), forced.to(DEV),
+                                       sink=2, local=3, counts=counts.to(DEV))  # fmt: skip
+    got, want = got.cpu().view(b * hkv, k), want.view(b * hkv, k)
+    for r, c in enumerate(counts.tolist()):
+        assert torch.equal(got[r, :c].sort().values, want[r, :c].sort().values), r
+        assert not got[r, c:].any() and not want[r, c:].any(), r
 
 
 @here

@@ -155,9 +155,10 @@ def lut_scores_triton(table: torch.Tensor, step: torch.Tensor, sign_codes: torch
     return out
 
 
-def lut_topk_fixed_triton(table, sign_codes, k, written, forced, *, sink=0, local=0):
+def lut_topk_fixed_triton(table, sign_codes, k, written, forced, *, sink=0, local=0, counts=None):
     """`lut_score.lut_topk_fixed` for one query per row (0 < k < N): fused scoring + level-0 histogram, then the
-    radix levels and the compaction -> (indices [B, Hkv, 1, k] int64, their int16 ranks)."""
+    radix levels and the compaction (each row's counts[r] best first with counts) -> (indices [B, Hkv, 1, k]
+    int64, their int16 ranks)."""
     b, hkv = table.shape[:2]
     n, w = sign_codes.shape[2], sign_codes.shape[3]
     rows = b * hkv
@@ -180,5 +181,6 @@ def lut_topk_fixed_triton(table, sign_codes, k, written, forced, *, sink=0, loca
         num_warps=SELECT_TUNE["num_warps"], **pdl_launch(codes.device),
     )  # fmt: skip
     picked = radix_topk(ranks, k, lo=0, levels=levels, nbits=nbits, is_float=False, block=block,
-                        num_chunks=num_chunks, bpc=bpc, hist=hist, n_load=ranks.stride(0), first_done=True)
+                        num_chunks=num_chunks, bpc=bpc, hist=hist, n_load=ranks.stride(0), first_done=True,
+                        counts=counts)  # fmt: skip
     return picked.view(b, hkv, 1, k), ranks.gather(-1, picked).view(b, hkv, 1, k)

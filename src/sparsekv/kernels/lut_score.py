@@ -100,12 +100,12 @@ def _lut_scores_fake(table, step, sign_codes):
 
 def lut_topk_fixed_reference(
     table: torch.Tensor, sign_codes: torch.Tensor, k: int, written: torch.Tensor, forced: torch.Tensor,
-    *, sink: int = 0, local: int = 0,
+    *, sink: int = 0, local: int = 0, counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The exact rule of `lut_topk_fixed`. Each written slot's rank: LUT_RANK_TOP for the first `sink` and the
     last `local` written slots; LUT_RANK_TOP - 1 - i for the row's forced position i; 1 + LUT_SCORE_LIMIT + its
     integer score for the others; the slots at or beyond `written` 0. The min(k, N) best slots, equal ranks to
-    the lower position."""
+    the lower position; with counts, row r's counts[r] best first and position 0 in its other entries."""
     scores = lut_int_scores_reference(table, sign_codes).to(torch.int64)
     n = scores.shape[-1]
     k = min(int(k), n)
@@ -117,13 +117,15 @@ def lut_topk_fixed_reference(
     ranked = torch.where(listed < forced.shape[-1], LUT_RANK_TOP - 1 - listed, scores + 1 + LUT_SCORE_LIMIT)
     hinted = (position < sink) | (position >= length - local)
     ranked = torch.where(position < length, torch.where(hinted, LUT_RANK_TOP, ranked), 0)
-    picked = torch.topk(ranked * (n + 1) + (n - 1 - position), k, dim=-1, sorted=False).indices
+    picked = torch.topk(ranked * (n + 1) + (n - 1 - position), k, dim=-1, sorted=counts is not None).indices
+    if counts is not None:
+        picked = torch.where(torch.arange(k, device=picked.device) < counts.view(*picked.shape[:-1], 1), picked, 0)
     return picked, ranked.gather(-1, picked).to(torch.int16)
 
 
 def lut_topk_fixed(
     table: torch.Tensor, sign_codes: torch.Tensor, k: int, written: torch.Tensor, forced: torch.Tensor | None = None,
-    *, sink: int = 0, local: int = 0,
+    *, sink: int = 0, local: int = 0, counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best keys by `quantized_lut` score over a fixed-shape buffer whose first `written` slots (int64 [1] on
     the codes' device) hold keys -> (indices [B, Hkv, Q, min(k, N)] int64 unordered, their ranks int16: 0 for an
@@ -131,8 +133,12 @@ def lut_topk_fixed(
 
     forced: [B, Hkv, S] int64 key positions (S <= MAX_LISTED; SENTINEL = unused) ranked above every other key, the
     first before the later ones, below the first `sink` and the last `local` written slots. Equal ranks go to
-    the lower position. The op
-    `sparsekv::lut_topk_fixed`: on CUDA the scoring writes int16 ranks and the radix select's first histogram in
+    the lower position.
+
+    counts: int32 [B * Hkv] on the codes' device, at most k each: row r puts its counts[r] best slots first and
+    position 0 (with that slot's rank) in its other entries, each row's own budget where budgets are device values.
+
+    The op `sparsekv::lut_topk_fixed`: on CUDA the scoring writes int16 ranks and the radix select's first histogram in
     one pass over the sign codes, then the sort-free select (`_topk_triton`); the reference elsewhere. No host
     value depends on `written`, so a CUDA graph replays it at every length."""
     if table.dtype != torch.int32 or table.dim() != 5 or table.shape[-1] != 16:
@@ -148,31 +154,34 @@ def lut_topk_fixed(
         forced = torch.full((b, hkv, 1), SENTINEL, dtype=torch.int64, device=sign_codes.device)
     if forced.dim() != 3 or forced.shape[:2] != (b, hkv) or not 0 < forced.shape[2] <= MAX_LISTED:
         raise ValueError(f"forced must be [B, Hkv, S] = [{b}, {hkv}, 1..{MAX_LISTED}], got {tuple(forced.shape)}")
-    return _lut_topk_fixed_op(table, sign_codes, int(k), written, forced.long(), int(sink), int(local))
+    if counts is not None and (counts.dtype != torch.int32 or counts.shape != (b * hkv,)
+                               or counts.device != sign_codes.device):  # fmt: skip
+        raise ValueError(f"counts must be an int32 tensor [{b * hkv}] on {sign_codes.device}")
+    return _lut_topk_fixed_op(table, sign_codes, int(k), written, forced.long(), int(sink), int(local), counts)
 
 
 @torch.library.custom_op("sparsekv::lut_topk_fixed", mutates_args=())
 def _lut_topk_fixed_op(
     table: torch.Tensor, sign_codes: torch.Tensor, k: int, written: torch.Tensor, forced: torch.Tensor,
-    sink: int, local: int,
+    sink: int, local: int, counts: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return lut_topk_fixed_reference(table, sign_codes, k, written, forced, sink=sink, local=local)
+    return lut_topk_fixed_reference(table, sign_codes, k, written, forced, sink=sink, local=local, counts=counts)
 
 
 @_lut_topk_fixed_op.register_kernel("cuda")
-def _lut_topk_fixed_cuda(table, sign_codes, k, written, forced, sink, local):
+def _lut_topk_fixed_cuda(table, sign_codes, k, written, forced, sink, local, counts):
     from sparsekv.kernels._triton import kernel, use_triton
 
     # one query per row (decode) and fewer kept keys than slots: the fused kernel
     if use_triton(table, sign_codes, written) and table.shape[2] == 1 and 0 < k < sign_codes.shape[2]:
         impl = kernel("_lut_triton", "lut_topk_fixed_triton")
         if impl is not None:
-            return impl(table, sign_codes, k, written.reshape(1), forced, sink=sink, local=local)
-    return lut_topk_fixed_reference(table, sign_codes, k, written, forced, sink=sink, local=local)
+            return impl(table, sign_codes, k, written.reshape(1), forced, sink=sink, local=local, counts=counts)
+    return lut_topk_fixed_reference(table, sign_codes, k, written, forced, sink=sink, local=local, counts=counts)
 
 
 @_lut_topk_fixed_op.register_fake
-def _lut_topk_fixed_fake(table, sign_codes, k, written, forced, sink, local):
+def _lut_topk_fixed_fake(table, sign_codes, k, written, forced, sink, local, counts):
     b, hkv, q = table.shape[:3]
     shape = (b, hkv, q, torch.sym_min(k, sign_codes.shape[2]))
     return table.new_empty(shape, dtype=torch.int64), table.new_empty(shape, dtype=torch.int16)

@@ -347,7 +347,7 @@ def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tu
     if step.hints.picks_only_held():  # every row keeps all k picks
         return every_index((n - 1) - select(), exact_budgets=True)
     if step.hints.picks_held():  # each row its own budget of them: the select takes the counts
-        counts, valid = _row_counts(step, *scores.shape[:3], k)
+        counts, valid = row_counts(step, *scores.shape[:3], k)
         return Selection((n - 1) - select(counts=counts), valid, exact_budgets=True)
     picked = (n - 1) - select()
     return _keep_budgets(picked, ranked.gather(-1, picked), step)
@@ -409,18 +409,18 @@ def _fixed_hamming_core(
     if hints.picks_only_held():  # every row keeps all k picks
         return every_index(select(with_scores=False)[0], exact_budgets=True)
     if hints.picks_held():  # each row its own budget of them: the select takes the counts
-        counts, valid = _row_counts(step, query_codes.shape[0], key_codes.shape[1], query_codes.shape[2], k)
+        counts, valid = row_counts(step, query_codes.shape[0], key_codes.shape[1], query_codes.shape[2], k)
         return Selection(select(with_scores=False, counts=counts)[0], valid, exact_budgets=True)
     return _keep_budgets(*select(), step)
 
 
-def _row_counts(step: DecodeStep, b: int, s: int, q: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each selection row's budget as int32 [B * S * Q] and the valid entries of its k picks [B, S, Q, k] (its
-    first `budgets` ones), shared by the layers of a fixed-shape step (`StepHints.shared`)."""
+def row_counts(step: DecodeStep, b: int, s: int, q: int, k: int, scale: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each selection row's budget x `scale` as int32 [B * S * Q] and the valid entries of its k picks [B, S, Q, k]
+    (its first min(budget x scale, k)), shared by the layers of a fixed-shape step (`StepHints.shared`)."""
     shared = step.hints.shared if step.hints.shared is not None else {}
-    key = ("row counts", b, s, q, k)
+    key = ("row counts", b, s, q, k, scale)
     if key not in shared:
-        counts = step.budgets.to(torch.int32)[:, None, :].expand(b, s, q).reshape(-1)
+        counts = (step.budgets * scale).clamp(max=k).to(torch.int32)[:, None, :].expand(b, s, q).reshape(-1)
         shared[key] = counts, torch.arange(k, device=counts.device) < counts.view(b, s, q, 1)
     return shared[key]
 

@@ -18,7 +18,9 @@ from sparsekv.selectors.base import (
     Selection,
     TokenSelector,
     _force,
+    every_index,
     maybe_compiled,
+    row_counts,
     to_selection_heads,
 )
 from sparsekv.selectors.self_index import device
@@ -438,29 +440,46 @@ class SelfIndexSelector(TokenSelector):
         """A fixed-shape step's selection with the first stage in one op (`kernels.lut_score.lut_topk_fixed`):
         the LUT scores of the whole buffer, the forced keys (sinks, sink/local hints) and the unwritten slots
         ranked in the same pass, and the rescore x k_max best picked by the sort-free histogram select. Then each
-        row's own rescore x budget of them (`kernels.select_within`: ties to the lower position, the CPU rule's
-        stable sort), the re-rank by q . K over those candidates only, and each row's budget of them. The same set
-        as the CPU rule, whose scores are the same quantized LUT's."""
+        row's own rescore x budget of them, the re-rank by q . K over those candidates only, and each row's budget
+        of them (`kernels.select_within`: ties to the lower position, the CPU rule's stable sort). The same set as
+        the CPU rule, whose scores are the same quantized LUT's.
+
+        Where the picks are all held keys (`StepHints.picks_held`), the select itself keeps each row's own
+        rescore x budget (a device count per row), and each row keeps exactly its budget: the stats are counted
+        on the host (`Selection.exact_budgets`)."""
         hints = step.hints
         sign_bits = self.kv.rows.view("sign_bits")
         b, hkv = sign_bits.shape[:2]
         budgets = step.budgets[:, None, :].expand(b, hkv, 1).contiguous()  # [B, Hkv, 1] each row's own
         table, _ = quantized_lut(step.query, self._by_nibble())
-        wide = min(sign_bits.shape[2], self.rescore * k_max) if self.rescore > 0 else k_max
+        scale = max(1, self.rescore)
+        wide = min(sign_bits.shape[2], scale * k_max)
+        held = hints.min_written is not None and wide <= hints.min_written
+        every = held and hints.min_budget == hints.max_budget and wide == scale * k_max  # every row keeps all
+        counts = keep = None
+        if held and not every:
+            counts, keep = row_counts(step, b, hkv, 1, wide, scale=scale)
         picked, ranks = lut_topk_fixed(table, sign_bits, wide, hints.written, self._forced_sinks(step),
-                                       sink=hints.sink, local=hints.local)  # fmt: skip
+                                       sink=hints.sink, local=hints.local, counts=counts)  # fmt: skip
+        if self.rescore == 0 and held:
+            return every_index(picked, exact_budgets=True) if every else Selection(picked, keep, exact_budgets=True)
         # equal ranks come out of the select in position order, so the lower index is the lower position
         first = torch.where(ranks > 0, ranks.float(), float("-inf"))
         if self.rescore == 0:
             pick, valid = select_within(first, budgets, k_max)
             return Selection(indices=picked.gather(-1, pick), valid=valid)
-        pick, keep = select_within(first, self.rescore * budgets, wide)
-        candidates, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
+        if held:
+            candidates = picked
+        else:
+            pick, keep = select_within(first, self.rescore * budgets, wide)
+            candidates, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
         fine = self._candidate_scores(step, candidates)
         # forced candidates keep their first-stage order above every re-ranked one (as the CPU rule's sink boosts)
         second = torch.where(ranks > LUT_SCORE_RANK_MAX, SINK_BASE + ranks.float(), fine)
-        pick, valid = select_within(second.masked_fill(~keep, float("-inf")), budgets, k_max)
-        return Selection(indices=candidates.gather(-1, pick), valid=valid)
+        if keep is not None:
+            second = second.masked_fill(~keep, float("-inf"))
+        pick, valid = select_within(second, budgets, k_max)
+        return Selection(indices=candidates.gather(-1, pick), valid=valid, exact_budgets=held)
 
     def _forced_sinks(self, step: DecodeStep) -> torch.Tensor | None:
         """[B, Hkv, S] positions of the sinks that this step's rows force, best SnapKV rank first (`boost_sinks`:
