@@ -344,13 +344,25 @@ def _fixed_int_topk_core(scores: torch.Tensor, step: DecodeStep, value_range: tu
     ranked = ranked.masked_fill(step.forced[:, None], top)
     # reversed along the keys: the select's ties go to the lowest position, i.e. the most recent key
     select = functools.partial(select_topk, ranked.flip(-1), k, value_range=(lowest, top))
-    if step.hints.picks_only_held():  # every row keeps all k picks
-        return every_index((n - 1) - select(), exact_budgets=True)
-    if step.hints.picks_held():  # each row its own budget of them: the select takes the counts
-        counts, valid = row_counts(step, *scores.shape[:3], k)
-        return Selection((n - 1) - select(counts=counts), valid, exact_budgets=True)
+    if (held := _held_picks(step, lambda counts: (n - 1) - select(counts=counts), scores.shape[:3])) is not None:
+        return held
     picked = (n - 1) - select()
     return _keep_budgets(picked, ranked.gather(-1, picked), step)
+
+
+def _held_picks(step: DecodeStep, select: Callable, rows: tuple[int, int, int]) -> Selection | None:
+    """A fixed-shape step's selection where its picks are all held keys: every row keeps all `max_budget` picks
+    (`StepHints.picks_only_held`: no mask), or each row its own budget of them, picked in the select itself
+    (`StepHints.picks_held`: `select(counts)` puts row r's counts[r] best first). Either way each row keeps
+    exactly its budget, so the stats are counted on the host. None where empty slots can be picked (the caller
+    drops each row's surplus itself). rows: the selection's (B, S, Q)."""
+    hints = step.hints
+    if hints.picks_only_held():
+        return every_index(select(None), exact_budgets=True)
+    if hints.picks_held():
+        counts, valid = row_counts(step, *rows, hints.max_budget)
+        return Selection(select(counts), valid, exact_budgets=True)
+    return None
 
 
 def _keep_budgets(picked: torch.Tensor, picked_scores: torch.Tensor, step: DecodeStep) -> Selection:
@@ -406,11 +418,9 @@ def _fixed_hamming_core(
         hamming_topk_fixed, query_codes, key_codes, k, hints.written, bits=bits, sink=hints.sink, local=hints.local,
         threshold_hint=_window_hint(threshold_hints, query_codes, key_codes),
     )  # fmt: skip
-    if hints.picks_only_held():  # every row keeps all k picks
-        return every_index(select(with_scores=False)[0], exact_budgets=True)
-    if hints.picks_held():  # each row its own budget of them: the select takes the counts
-        counts, valid = row_counts(step, query_codes.shape[0], key_codes.shape[1], query_codes.shape[2], k)
-        return Selection(select(with_scores=False, counts=counts)[0], valid, exact_budgets=True)
+    rows = (query_codes.shape[0], key_codes.shape[1], query_codes.shape[2])
+    if (held := _held_picks(step, lambda counts: select(with_scores=False, counts=counts)[0], rows)) is not None:
+        return held
     return _keep_budgets(*select(), step)
 
 
