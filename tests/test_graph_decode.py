@@ -207,13 +207,15 @@ def test_compiled_fixed_shape_step_equals_eager():
 
 @pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 13),
                     reason="torch's CPU compiler aborts on it before 2.13 (a ConfigError says so: the test below)")
-def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch):
+@pytest.mark.parametrize("rule", ["device", "fused"])
+def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch, rule):
     """`compile_step=True` with self-index: the store's token encoding and open K block, and (with the device rule,
-    substituted here on CPU) the selection around the re-rank run through torch.compile; same tokens and stats as
-    the eager path."""
+    substituted here on CPU) the selection around the re-rank run through torch.compile; with the fused first
+    stage (CUDA's, its op's reference here), the LUT's quantization and the re-rank's scores. Same tokens and
+    stats as the eager path."""
     from sparsekv.selectors.self_index import selector
 
-    monkeypatch.setattr(selector, "_device_rule", lambda scores: True)
+    monkeypatch.setattr(selector, "_device_rule" if rule == "device" else "_fused_rule", lambda scores: True)
     model = random_model("tiny-llama", dtype=torch.float32, num_hidden_layers=3)
     ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(0))
     config = SparseConfig(method="self-index", budget=0.2, dense_below=0, options={"residual": 8, "k_group": 4})
@@ -226,7 +228,8 @@ def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch):
     assert torch.equal(out[:, ids.shape[1] :], eager)
     from sparsekv.selectors.base import COMPILED
 
-    assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", "_fixed_candidates", "_fixed_rerank"}
+    pieces = {"_fixed_candidates", "_fixed_rerank"} if rule == "device" else {"quantized_lut", "_rerank_scores"}
+    assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", *pieces}
     stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
 

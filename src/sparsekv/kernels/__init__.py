@@ -16,7 +16,7 @@ function of each module checks its arguments and calls the op. SPARSEKV_DISABLE_
     quest.quest_page_scores(q, page_min, page_max, *, group_reduce="sum") -> fp32[B,Hkv,Q,P]
     lut_score.lut_scores(q, centroids[B,Hkv,d/4,16,4], sign_codes[B,Hkv,N,d/32]) -> fp32[B,Hkv,Q,N]
         (the table quantized per row: exact integer sums x the row's step)
-    lut_score.lut_topk_fixed(table, sign_codes, k, written, forced, *, sink, local) -> (int64[B,Hkv,1,k], ranks)
+    lut_score.lut_topk_fixed(table, sign_codes, k, written, forced, *, sink, local, counts) -> (int64[B,Hkv,1,k], ranks)
         (fixed-shape steps: scoring, forced keys and the first radix histogram in one pass, then the select)
     select_within.select_within(values[..., C], budgets[...], k) -> (int64[..., k], bool[..., k])
         (each row's own budget of its best values, exact, ties to the lower index, indices compacted)

@@ -65,7 +65,8 @@ GQA "group" scoring goes through `kernels.lut_score` (Triton on CUDA): its table
 kernels rank the same integers; `scoring.lut_scores` is the float reference used for gqa="head" and float64. A
 fixed-shape (captured) decode step on CUDA runs the first stage as one op (`lut_topk_fixed`: scores, sinks and
 local keys forced, unwritten slots, the radix select's first histogram in one pass over the sign bits, then the
-sort-free select) and each row's budgets with `kernels.select_within`; no [B, H, N] tensor is built. On CUDA the
+sort-free select, which keeps each row's own 3 x budget candidates once every pick is a held key) and each row's
+budget of the re-ranked candidates with `kernels.select_within`; no [B, H, N] tensor is built. On CUDA the
 re-rank and the dequantizing attention run on the kernels (`device`, `kernels.compressed_kv`) over the stored
 bytes; `CompressedStore.read_keys` / `gather_dequantized` are the torch path. `kernels.bits.pack_sign_bits` packs
 the sign bits.

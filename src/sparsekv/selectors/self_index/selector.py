@@ -450,8 +450,8 @@ class SelfIndexSelector(TokenSelector):
         hints = step.hints
         sign_bits = self.kv.rows.view("sign_bits")
         b, hkv = sign_bits.shape[:2]
-        budgets = step.budgets[:, None, :].expand(b, hkv, 1).contiguous()  # [B, Hkv, 1] each row's own
-        table, _ = quantized_lut(step.query, self._by_nibble())
+        budgets = _row_budgets(step, b, hkv)
+        table, _ = maybe_compiled(quantized_lut, self.compiled_step)(step.query, self._by_nibble())
         scale = max(1, self.rescore)
         wide = min(sign_bits.shape[2], scale * k_max)
         held = hints.min_written is not None and wide <= hints.min_written
@@ -463,23 +463,16 @@ class SelfIndexSelector(TokenSelector):
                                        sink=hints.sink, local=hints.local, counts=counts)  # fmt: skip
         if self.rescore == 0 and held:
             return every_index(picked, exact_budgets=True) if every else Selection(picked, keep, exact_budgets=True)
-        # equal ranks come out of the select in position order, so the lower index is the lower position
-        first = torch.where(ranks > 0, ranks.float(), float("-inf"))
-        if self.rescore == 0:
-            pick, valid = select_within(first, budgets, k_max)
-            return Selection(indices=picked.gather(-1, pick), valid=valid)
-        if held:
-            candidates = picked
-        else:
-            pick, keep = select_within(first, self.rescore * budgets, wide)
-            candidates, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
-        fine = self._candidate_scores(step, candidates)
-        # forced candidates keep their first-stage order above every re-ranked one (as the CPU rule's sink boosts)
-        second = torch.where(ranks > LUT_SCORE_RANK_MAX, SINK_BASE + ranks.float(), fine)
-        if keep is not None:
-            second = second.masked_fill(~keep, float("-inf"))
+        if not held:  # each row's own rescore x budget of the picks (equal ranks: the lower position first)
+            first = torch.where(ranks > 0, ranks.float(), float("-inf"))
+            pick, keep = select_within(first, scale * budgets, wide if self.rescore else k_max)
+            if self.rescore == 0:
+                return Selection(indices=picked.gather(-1, pick), valid=keep)
+            picked, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
+        fine = self._candidate_scores(step, picked)
+        second = maybe_compiled(_rerank_scores, self.compiled_step)(ranks, fine, keep)
         pick, valid = select_within(second, budgets, k_max)
-        return Selection(indices=candidates.gather(-1, pick), valid=valid, exact_budgets=held)
+        return Selection(indices=picked.gather(-1, pick), valid=valid, exact_budgets=held)
 
     def _forced_sinks(self, step: DecodeStep) -> torch.Tensor | None:
         """[B, Hkv, S] positions of the sinks that this step's rows force, best SnapKV rank first (`boost_sinks`:
@@ -580,6 +573,22 @@ class SelfIndexSelector(TokenSelector):
         weights = torch.softmax(logits, dim=-1)
         out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
         return out.reshape(b, hq, q, d).to(query.dtype if self.kv.v_signs is None else work)
+
+
+def _row_budgets(step: DecodeStep, b: int, hkv: int) -> torch.Tensor:
+    """Each kv head row's budget, int64 [B, Hkv, 1], shared by the layers of a fixed-shape step."""
+    shared = step.hints.shared if step.hints.shared is not None else {}
+    key = ("row budgets", b, hkv)
+    if key not in shared:
+        shared[key] = step.budgets[:, None, :].expand(b, hkv, 1).contiguous()
+    return shared[key]
+
+
+def _rerank_scores(ranks: torch.Tensor, fine: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """The re-rank's scores of the candidates: q . K (`fine`), except the forced candidates, which keep their
+    first-stage order above every re-ranked one (as the CPU rule's sink boosts); -inf where `keep` is false."""
+    second = torch.where(ranks > LUT_SCORE_RANK_MAX, SINK_BASE + ranks.float(), fine)
+    return second if keep is None else second.masked_fill(~keep, float("-inf"))
 
 
 def _fixed_pick(scores, visible, forced, budgets, k_max: int, min_budget: int):
