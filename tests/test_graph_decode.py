@@ -131,11 +131,15 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     keeping each row's own 3 x budget candidates in the select (a budget that stays the same over the run, 48
     tokens: every pick, no mask; 5%: each row's own count), the re-rank, and the stats counted on the host when
     the steps end, without kernels in the steps. The eager path's tokens and stats."""
+    from sparsekv.selectors.base import DecodeStep
     from sparsekv.selectors.self_index import selector
     from sparsekv.stats import BudgetStats
 
     device_adds, counted = [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
+    # as on a device: a step's k_max is the host bound (the capacity's budget), not the largest budget read back
+    monkeypatch.setattr(DecodeStep, "max_budget",
+                        lambda self: self.hints.max_budget if self.hints is not None else int(self.budgets.max()))  # fmt: skip
     fused = selector.lut_topk_fixed
     monkeypatch.setattr(selector, "lut_topk_fixed",
                         lambda *args, **kw: counted.append(kw["counts"] is not None) or fused(*args, **kw))  # fmt: skip
