@@ -132,11 +132,17 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     tokens: every pick, no mask; 5%: each row's own count), the re-rank, and the stats counted on the host when
     the steps end, without kernels in the steps. The eager path's tokens and stats."""
     from sparsekv.selectors.base import DecodeStep
-    from sparsekv.selectors.self_index import selector
+    from sparsekv.selectors.self_index import device, selector
     from sparsekv.stats import BudgetStats
 
-    device_adds, counted = [], []
+    device_adds, counted, tails = [], [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
+    # the re-rank and the attention on the ops (their references here), as on CUDA
+    applies = device.applies
+    monkeypatch.setattr(device, "applies", lambda kv, step: applies(kv, step) or (
+        kv.compressed and kv.mu is not None and kv.mu.dtype == torch.float32 and step.gqa == "group"))
+    tail_from = device._tail_from
+    monkeypatch.setattr(device, "_tail_from", lambda kv, step, dev: tails.append(step.hints) or tail_from(kv, step, dev))
     # as on a device: a step's k_max is the host bound (the capacity's budget), not the largest budget read back
     monkeypatch.setattr(DecodeStep, "max_budget",
                         lambda self: self.hints.max_budget if self.hints is not None else int(self.budgets.max()))  # fmt: skip
@@ -150,6 +156,9 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     fixed, steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
     assert torch.equal(fixed, eager) and steps["fixed-shape"] == 22
     assert counted and all(c == (budget != 48) for c in counted) and not device_adds
+    # the re-rank and the attention of a fixed-shape step's layers read one shared tail start
+    fixed_steps = [h for h in tails if h is not None and h.fixed]
+    assert fixed_steps and all(len([k for k in h.shared if k[0] == "self-index tail from"]) == 1 for h in fixed_steps)
     eager_stats, fixed_stats = eager_cache.stats.summary(), fixed_cache.stats.summary()
     for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
         assert fixed_stats[key] == pytest.approx(eager_stats[key], rel=1e-9)

@@ -28,8 +28,17 @@ def applies(kv: CompressedStore, step: DecodeStep) -> bool:
     )
 
 
-def _tail_from(kv: CompressedStore, q_len: int, device: torch.device) -> torch.Tensor:
-    return kv.tail_from(kv.query_positions(q_len, device))
+def _tail_from(kv: CompressedStore, step: DecodeStep, device: torch.device) -> torch.Tensor:
+    """`CompressedStore.tail_from` of the step's query positions. In a fixed-shape step the layers whose tails
+    start alike share one (`StepHints.shared`): a few small kernels fewer per layer and step."""
+    q_len = step.query.shape[2]
+    hints = step.hints
+    if hints is None or not hints.fixed or hints.shared is None or kv.fixed_position is None:
+        return kv.tail_from(kv.query_positions(q_len, device))
+    key = ("self-index tail from", kv.decode_start, kv.tail_start, kv.residual, kv.rows.view_length)
+    if key not in hints.shared:
+        hints.shared[key] = kv.tail_from(kv.query_positions(q_len, device))
+    return hints.shared[key]
 
 
 def candidate_scores(kv: CompressedStore, step: DecodeStep, index: torch.Tensor) -> torch.Tensor | None:
@@ -38,7 +47,7 @@ def candidate_scores(kv: CompressedStore, step: DecodeStep, index: torch.Tensor)
         return None
     b, _, q_len, d = step.query.shape
     query = step.query.float().view(b, kv.num_kv_heads, -1, q_len, d).sum(2)
-    return compressed_key_scores(query, kv.kernel_view(), index, _tail_from(kv, q_len, index.device))
+    return compressed_key_scores(query, kv.kernel_view(), index, _tail_from(kv, step, index.device))
 
 
 def attend(
@@ -48,6 +57,5 @@ def attend(
     over the stored V R and return out R; `SelfIndexSelector.attend` un-rotates it."""
     if not applies(kv, step) or selection.indices.shape[1] != kv.num_kv_heads:
         return None
-    q_len = step.query.shape[2]
     return compressed_attention(step.query, kv.kernel_view(), selection.indices, selection.valid, scaling,
-                                _tail_from(kv, q_len, step.query.device))  # fmt: skip
+                                _tail_from(kv, step, step.query.device))  # fmt: skip
