@@ -239,3 +239,21 @@ def test_select_within_reference_keeps_each_rows_budget_in_index_order():
     assert valid.tolist() == [[True, True, True, False], [True, True, False, False]]
     index, valid = select_within_reference(values, torch.tensor([9, 0]), 8)  # past the finite values, k past C
     assert index[0, :5].tolist() == [0, 1, 3, 4, 5] and valid.sum(-1).tolist() == [5, 0]
+
+
+@pytest.mark.parametrize(
+    "counts,match",
+    [(torch.full((4,), 3, dtype=torch.int64), "int32"), (torch.full((3,), 3, dtype=torch.int32), r"\[4\]")],
+)  # fmt: skip
+def test_lut_topk_fixed_rejects_bad_counts(counts, match):
+    from sparsekv.kernels.bits import pack_sign_bits
+    from sparsekv.kernels.lut_score import lut_topk_fixed, quantized_lut
+
+    gen = torch.Generator().manual_seed(0)
+    table, _ = quantized_lut(torch.randn(2, 4, 1, 32, generator=gen), torch.randn(2, 2, 8, 16, 4, generator=gen))
+    codes = pack_sign_bits(torch.randn(2, 2, 20, 32, generator=gen))
+    written = torch.tensor([15])
+    with pytest.raises(ValueError, match=match):
+        lut_topk_fixed(table, codes, 5, written, counts=counts)
+    picked, _ = lut_topk_fixed(table, codes, 5, written, counts=torch.tensor([5, 4, 2, 0], dtype=torch.int32))
+    assert picked.shape == (2, 2, 1, 5) and not picked.view(4, 5)[3].any() and not picked.view(4, 5)[2, 2:].any()

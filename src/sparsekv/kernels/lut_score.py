@@ -135,7 +135,7 @@ def lut_topk_fixed(
     first before the later ones, below the first `sink` and the last `local` written slots. Equal ranks go to
     the lower position.
 
-    counts: int32 [B * Hkv] on the codes' device, at most k each: row r puts its counts[r] best slots first and
+    counts: int32 [B * Hkv * Q] on the codes' device, at most k each: row r puts its counts[r] best slots first and
     position 0 (with that slot's rank) in its other entries, each row's own budget where budgets are device values.
 
     The op `sparsekv::lut_topk_fixed`: on CUDA the scoring writes int16 ranks and the radix select's first histogram in
@@ -154,9 +154,10 @@ def lut_topk_fixed(
         forced = torch.full((b, hkv, 1), SENTINEL, dtype=torch.int64, device=sign_codes.device)
     if forced.dim() != 3 or forced.shape[:2] != (b, hkv) or not 0 < forced.shape[2] <= MAX_LISTED:
         raise ValueError(f"forced must be [B, Hkv, S] = [{b}, {hkv}, 1..{MAX_LISTED}], got {tuple(forced.shape)}")
-    if counts is not None and (counts.dtype != torch.int32 or counts.shape != (b * hkv,)
+    rows = table.shape[:3].numel()
+    if counts is not None and (counts.dtype != torch.int32 or counts.shape != (rows,)
                                or counts.device != sign_codes.device):  # fmt: skip
-        raise ValueError(f"counts must be an int32 tensor [{b * hkv}] on {sign_codes.device}")
+        raise ValueError(f"counts must be an int32 tensor [{rows}] (B * Hkv * Q) on {sign_codes.device}")
     return _lut_topk_fixed_op(table, sign_codes, int(k), written, forced.long(), int(sink), int(local), counts)
 
 
