@@ -442,13 +442,17 @@ def test_bench_generate_times_every_row_through_model_generate(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "sparsekv.cli", "bench", "generate", "--model", "tiny-llama", "--layers", "3",
          "--context", "96", "--batch", "2", "--rows", "hf-dense,oracle-topk,self-index", "--budget", "0.1",
-         "--new-tokens", "4", "--warmup", "1", "--prefill-chunk-size", "40", "--output", str(out)],
+         "--new-tokens", "4", "--warmup", "1", "--prefill-chunk-size", "40", "--profile-step", "3",
+         "--output", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     payload = json.loads(out.read_text())
     rows = {r["row"]: r for r in payload["summary"]}
     assert set(rows) == {"hf-dense", "oracle-topk", "self-index"}
+    # nothing captured on CPU, so no step to profile: said per row, and null in the JSON
+    assert result.stdout.count("no captured step to profile") == 3
+    assert all(r["step_profile"] is None for r in rows.values())
     assert all(r["tpot_ms"] > 0 for r in rows.values())
     assert rows["hf-dense"]["vs_hf_best_dense"] == 1.0 and rows["hf-dense"]["avg_budget_tokens"] is None
     for method in ("oracle-topk", "self-index"):
@@ -543,11 +547,27 @@ def test_bench_generate_times_the_step_alone_after_the_last_token():
     assert calls == [4]
 
 
+def test_bench_generate_kernel_profile_sums_and_ranks_a_steps_kernels():
+    from types import SimpleNamespace
+
+    from sparsekv.bench.generate import kernel_profile
+
+    events = [SimpleNamespace(key="attention", count=20, self_device_time_total=400.0),
+              SimpleNamespace(key="cudaGraphLaunch", count=10, self_device_time_total=0.0),  # host-side: no kernel
+              SimpleNamespace(key="select", count=40, self_device_time_total=100.0),
+              SimpleNamespace(key="gemm", count=70, self_device_time_total=900.0)]  # fmt: skip
+    profile = kernel_profile(events, replays=10, top=2)
+    assert profile["kernels_per_step"] == 13 and profile["kernel_us_per_step"] == 140
+    assert [k["kernel"] for k in profile["top"]] == ["gemm", "attention"]
+    assert profile["top"][1] == {"kernel": "attention", "us_per_step": 40.0, "launches_per_step": 2.0}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_bench_generate_reports_the_captured_step_alone_on_cuda():
     from sparsekv.bench.generate import run_generate
 
     result = run_generate("tiny-llama", layers=3, context=256, batch=2, rows=("dense", "spotlight"), new_tokens=8,
-                          warmup=2, device="cuda")  # fmt: skip
+                          warmup=2, device="cuda", profile_step=5)  # fmt: skip
     for row in result["summary"]:
         assert 0 < row["step_ms"] <= row["tpot_ms"], row
+        assert row["step_profile"]["kernels_per_step"] > 0 and len(row["step_profile"]["top"]) == 5, row

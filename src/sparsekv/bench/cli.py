@@ -176,6 +176,9 @@ def generate(
     prefill: Annotated[str, typer.Option(
         help="model: the model prefills the prompt | synthetic: random K/V written into each row's cache, "
         "generate() continuing from it (random-weight models; skips a long prefill)")] = "model",
+    profile_step: Annotated[int, typer.Option(
+        help="CUDA: also replay each row's captured step 10 times under torch.profiler and list this many of its "
+        "heaviest kernels (0: no profile)")] = 0,
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Decode TPOT through model.generate(): HF dense, HF static cache + compile and each method, one process."""
@@ -188,7 +191,7 @@ def generate(
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
                           top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                           prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp, prefill=prefill,
-                          progress=_progress if rank == 0 else None)  # fmt: skip
+                          profile_step=profile_step, progress=_progress if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
@@ -216,7 +219,24 @@ def generate(
             _lossless_facts(r) + decode_path(r.get("decode_paths")),
         )  # fmt: skip
     console.print(table)
+    for r in result["summary"]:
+        if "step_profile" in r:
+            _print_step_profile(r["row"], r["step_profile"])
     _write(result, output)
+
+
+def _print_step_profile(row: str, profile: dict | None) -> None:
+    """A row's captured step under the profiler (`bench.generate.kernel_profile`), heaviest kernels first."""
+    if profile is None:
+        console.print(f"{row}: no captured step to profile (CUDA graphs decode on CUDA only)")
+        return
+    table = Table(title=f"{row}: {profile['kernels_per_step']:.0f} kernels a step, "
+                        f"{profile['kernel_us_per_step']:.0f} µs of kernel time")  # fmt: skip
+    for col in ("µs / step", "launches / step", "kernel"):
+        table.add_column(col, justify="left" if col == "kernel" else "right")
+    for k in profile["top"]:
+        table.add_row(f"{k['us_per_step']:.1f}", f"{k['launches_per_step']:.1f}", k["kernel"][:110])
+    console.print(table)
 
 
 def _lossless_facts(row: dict) -> str:

@@ -25,7 +25,8 @@ it is produced); TPOT is the mean over the steps after `warmup` (the first steps
 the prefill is not in it. `step_ms` is the captured step replayed alone once the last token is out (CUDA): TPOT
 over it is what generate()'s own loop adds to each step. Peak memory and, for the methods, the tokens attended
 per step (from the cache's stats) are reported beside it, and how the decode steps ran (`decode_paths`: CUDA graph
-replays, or eager and why).
+replays, or eager and why). With `profile_step`, ten more replays of the captured step run under torch.profiler:
+its kernels per step, their time and the heaviest ones (`step_profile`), to see where a step's time goes.
 """
 
 from __future__ import annotations
@@ -109,6 +110,41 @@ def replay_ms(graph_decode, device: torch.device, replays: int = 20) -> float | 
     return 1e3 * (time.perf_counter() - start) / replays
 
 
+def profile_replays(graph_decode, device: torch.device, top: int, replays: int = 10) -> dict | None:
+    """The captured decode step's kernels over `replays` replays under torch.profiler (`kernel_profile`), or None
+    where no graph was captured."""
+    graph = graph_decode.graph
+    if graph is None or device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    graph.replay()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize(device)
+    return kernel_profile(prof.key_averages(), replays, top)
+
+
+def kernel_profile(events, replays: int, top: int) -> dict:
+    """Profiler averages (each with `key`, `count`, `self_device_time_total` in µs) of `replays` replays -> kernels
+    per step, their summed time per step and the `top` heaviest (name, µs and launches per step). Kernels launched
+    early (programmatic dependent launch) count the time they wait for the kernel before them, so the sum can
+    exceed the step's time."""
+    kernels = [e for e in events if e.self_device_time_total > 0]
+    heaviest = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {
+        "replays": replays,
+        "kernels_per_step": sum(e.count for e in kernels) / replays,
+        "kernel_us_per_step": sum(e.self_device_time_total for e in kernels) / replays,
+        "top": [
+            {"kernel": e.key, "us_per_step": e.self_device_time_total / replays, "launches_per_step": e.count / replays}
+            for e in heaviest
+        ],
+    }
+
+
 def config_for(row: str, budget: float, top_p: float | None, dense_below: int | None = None) -> SparseConfig | None:
     if row in HF_ROWS:
         return None
@@ -121,14 +157,16 @@ def config_for(row: str, budget: float, top_p: float | None, dense_below: int | 
 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
                   warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None,
-                  prefill: str = "model", seed: int = 0) -> dict:  # fmt: skip
+                  prefill: str = "model", seed: int = 0, profile_step: int = 0) -> dict:  # fmt: skip
     """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
     and (methods) the tokens attended per step.
 
     prefill="synthetic": the prompt's K/V are written into the row's cache directly (random values, the same for
     every row: `synthetic_fill`, `synthetic_hf_cache`), and `model.generate()` continues from that cache, its
     first forward being the prompt's last token. The decode steps are the same; a long context's prefill is
-    skipped (at 128K it takes about 21 s per sequence on an H200, 32 layers)."""
+    skipped (at 128K it takes about 21 s per sequence on an H200, 32 layers).
+
+    profile_step: that many of the captured step's heaviest kernels too (`profile_replays`; 0: no profile)."""
     import sparsekv
 
     if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
@@ -142,6 +180,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     def time_the_step_alone() -> None:
         if runtime:
             step["ms"] = replay_ms(runtime[0].graph, device)
+            if profile_step:
+                step["profile"] = profile_replays(runtime[0].graph, device, profile_step)
 
     clock = _TokenClock(device, steps + 1, time_the_step_alone)
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": steps, "min_new_tokens": steps,
@@ -194,6 +234,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
         sparse_layers=stats and sorted(stats["per_layer_avg_tokens"]),
         decode_paths=paths,
     )
+    if profile_step:
+        result["step_profile"] = step.get("profile")
     return result
 
 
@@ -283,6 +325,7 @@ def run_generate(
     device: str | None = None,
     tp: int = 1,
     prefill: str = "model",
+    profile_step: int = 0,
     progress=None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
@@ -297,13 +340,16 @@ def run_generate(
     with torchrun; `tensor_parallel_model`); every rank runs every row on the same prompts and reports its own
     times, the caches' stats are summed over the ranks.
 
+    profile_step: that many of each captured row's heaviest kernels too (`time_generate`; 0: none).
+
     progress: called with a line of text as the model is ready and as each row ends (a long run shows its way)."""
     from sparsekv.bench.e2e import build_model, check_fits
     from sparsekv.bench.e2e_model import tensor_parallel_model
     from sparsekv.registry import get_method_class
 
     for what, value, least in (("context", context, 2), ("batch", batch, 1), ("new_tokens", new_tokens, 1),
-                               ("warmup", warmup, 0), ("rounds", rounds, 1), ("tp", tp, 1)):  # fmt: skip
+                               ("warmup", warmup, 0), ("rounds", rounds, 1), ("tp", tp, 1),
+                               ("profile_step", profile_step, 0)):  # fmt: skip
         if value < least:
             raise ConfigError(f"{what} must be >= {least}, got {value}")
     for row in rows:
@@ -341,7 +387,7 @@ def run_generate(
         for row in rows:
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
                                   prefill_chunk_size=prefill_chunk_size, dense_below=dense_below, prefill=prefill,
-                                  seed=seed)  # fmt: skip
+                                  seed=seed, profile_step=profile_step)  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
             say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
