@@ -443,7 +443,7 @@ def test_bench_generate_times_every_row_through_model_generate(tmp_path):
         [sys.executable, "-m", "sparsekv.cli", "bench", "generate", "--model", "tiny-llama", "--layers", "3",
          "--context", "96", "--batch", "2", "--rows", "hf-dense,oracle-topk,self-index", "--budget", "0.1",
          "--new-tokens", "4", "--warmup", "1", "--prefill-chunk-size", "40", "--profile-step", "3",
-         "--output", str(out)],
+         "--dense-layers", "1", "--output", str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -455,8 +455,9 @@ def test_bench_generate_times_every_row_through_model_generate(tmp_path):
     assert all(r["step_profile"] is None for r in rows.values())
     assert all(r["tpot_ms"] > 0 for r in rows.values())
     assert rows["hf-dense"]["vs_hf_best_dense"] == 1.0 and rows["hf-dense"]["avg_budget_tokens"] is None
+    assert payload["dense_layers"] == [1]
     for method in ("oracle-topk", "self-index"):
-        assert rows[method]["sparse_layers"] == [2]  # layers 0 and 1 are dense by default
+        assert rows[method]["sparse_layers"] == [0, 2]  # --dense-layers 1 (the default keeps 0 and 1 dense)
         assert 0 < rows[method]["avg_budget_tokens"] < 0.2 * rows[method]["avg_context_tokens"]
     assert all(r["step_ms"] is None for r in rows.values())  # no CUDA graph to replay alone on CPU
 
@@ -545,6 +546,17 @@ def test_bench_generate_times_the_step_alone_after_the_last_token():
     for _ in range(4):
         clock.put(None)
     assert calls == [4]
+
+
+def test_bench_rows_keep_the_dense_layers_they_are_given():
+    from sparsekv.bench.generate import config_for
+    from sparsekv.config import ConfigError
+
+    assert config_for("self-index", 0.02, None).dense_layers == (0, 1)
+    assert config_for("self-index@compile:0.1", 0.02, None, dense_layers=()).dense_layers == ()
+    assert config_for("hf-dense", 0.02, None, dense_layers=()) is None
+    with pytest.raises(ConfigError, match="dense_layers"):
+        config_for("lsh", 0.02, None, dense_layers=(-1,))
 
 
 def test_bench_generate_kernel_profile_sums_and_ranks_a_steps_kernels():

@@ -66,7 +66,8 @@ def parse_options(items: list[str] | None) -> dict:
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
-    if text.strip() == "":
+    """--dense-layers: '0,1' -> (0, 1); '' or 'none' -> ()."""
+    if text.strip().lower() in ("", "none"):
         return ()
     try:
         return tuple(int(part) for part in text.split(","))

@@ -120,8 +120,8 @@ def e2e(
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Whole-model decode (TPOT, tokens/s), prefill time and peak GPU memory: dense vs a method, one run."""
-    from sparsekv.bench.e2e import parse_layers, run_e2e, summary_rows
-    from sparsekv.cli import parse_budget, parse_options
+    from sparsekv.bench.e2e import run_e2e, summary_rows
+    from sparsekv.cli import parse_budget, parse_layers, parse_options
 
     result = run_e2e(
         model, layers=layers, context=context, batch=batch, method=method, budget=parse_budget(budget),
@@ -176,6 +176,8 @@ def generate(
     prefill: Annotated[str, typer.Option(
         help="model: the model prefills the prompt | synthetic: random K/V written into each row's cache, "
         "generate() continuing from it (random-weight models; skips a long prefill)")] = "model",
+    dense_layers: Annotated[str | None, typer.Option(
+        help="comma-separated layers the methods keep dense (default: 0,1; none: every layer selects)")] = None,
     profile_step: Annotated[int, typer.Option(
         help="CUDA: also replay each row's captured step 10 times under torch.profiler and list this many of its "
         "heaviest kernels (0: no profile)")] = 0,
@@ -191,7 +193,8 @@ def generate(
     result = run_generate(model, layers=layers, context=context, batch=batch, rows=names, budget=budget,
                           top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                           prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp, prefill=prefill,
-                          profile_step=profile_step, progress=_progress if rank == 0 else None)  # fmt: skip
+                          profile_step=profile_step, dense_layers=_layers(dense_layers),
+                          progress=_progress if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()
@@ -239,6 +242,13 @@ def _print_step_profile(row: str, profile: dict | None) -> None:
     console.print(table)
 
 
+def _layers(text: str | None) -> tuple[int, ...] | None:
+    """--dense-layers: None (the config's default) or the parsed layer list."""
+    from sparsekv.cli import parse_layers
+
+    return None if text is None else parse_layers(text)
+
+
 def _lossless_facts(row: dict) -> str:
     """A @lossless row's drafts in short (its decode paths count rounds, not steps)."""
     if "drafts_per_round" not in row:
@@ -279,6 +289,8 @@ def throughput(
     prefill: Annotated[str, typer.Option(
         help="model: the model prefills each batch tried | synthetic: random K/V written into the cache, "
         "generate() continuing from it (skips a long context's prefill)")] = "model",
+    dense_layers: Annotated[str | None, typer.Option(
+        help="comma-separated layers the methods keep dense (default: 0,1; none: every layer selects)")] = None,
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG of tokens/s vs batch here (matplotlib)")] = None,
 ) -> None:
@@ -292,7 +304,7 @@ def throughput(
     result = run_throughput(model, layers=layers, context=context, memory_gb=memory_gb, rows=names, budget=budget,
                             top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                             prefill_chunk_size=prefill_chunk_size, max_batch=max_batch, prefill=prefill,
-                            progress=_progress)  # fmt: skip
+                            dense_layers=_layers(dense_layers), progress=_progress)  # fmt: skip
     _print_throughput(result)
     _write(result, output)
     if plot is not None:

@@ -14,14 +14,6 @@ from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.graph_decode import compile_for_decode
 from sparsekv.hf_compat import cache_kwargs
 
-
-def parse_layers(text: str | None) -> tuple[int, ...]:
-    """'none' / '' -> (); '0,1' -> (0, 1)."""
-    if text is None or text.strip().lower() in ("", "none"):
-        return ()
-    return tuple(int(part) for part in text.split(","))
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # prefill
 

@@ -145,19 +145,24 @@ def kernel_profile(events, replays: int, top: int) -> dict:
     }
 
 
-def config_for(row: str, budget: float, top_p: float | None, dense_below: int | None = None) -> SparseConfig | None:
+def config_for(row: str, budget: float, top_p: float | None, dense_below: int | None = None,
+               dense_layers: tuple[int, ...] | None = None) -> SparseConfig | None:  # fmt: skip
+    """The row's SparseConfig (None for the HF rows). dense_layers: the layers a method keeps dense (None: the
+    config's default, layers 0 and 1)."""
     if row in HF_ROWS:
         return None
     method, _, own_budget = parse_row(row)
     if method == "dense":
         return SparseConfig(method=method)
     budget = own_budget if own_budget is not None else budget
-    return SparseConfig(method=method, budget=budget, top_p=top_p, dense_below=dense_below)
+    layers = {} if dense_layers is None else {"dense_layers": tuple(dense_layers)}
+    return SparseConfig(method=method, budget=budget, top_p=top_p, dense_below=dense_below, **layers)
 
 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
                   warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None,
-                  prefill: str = "model", seed: int = 0, profile_step: int = 0) -> dict:  # fmt: skip
+                  prefill: str = "model", seed: int = 0, profile_step: int = 0,
+                  dense_layers: tuple[int, ...] | None = None) -> dict:  # fmt: skip
     """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
     and (methods) the tokens attended per step.
 
@@ -188,7 +193,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
               "do_sample": False, "streamer": clock, "prefill_chunk_size": prefill_chunk_size, "pad_token_id": 0}
     if row == "hf-static-compile":
         kwargs["cache_implementation"] = "static"
-    config = config_for(row, budget, top_p, dense_below)
+    config = config_for(row, budget, top_p, dense_below, dense_layers)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -326,6 +331,7 @@ def run_generate(
     tp: int = 1,
     prefill: str = "model",
     profile_step: int = 0,
+    dense_layers: tuple[int, ...] | None = None,
     progress=None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
@@ -342,6 +348,8 @@ def run_generate(
 
     profile_step: that many of each captured row's heaviest kernels too (`time_generate`; 0: none).
 
+    dense_layers: the layers the methods keep dense (None: the config's default, layers 0 and 1).
+
     progress: called with a line of text as the model is ready and as each row ends (a long run shows its way)."""
     from sparsekv.bench.e2e import build_model, check_fits
     from sparsekv.bench.e2e_model import tensor_parallel_model
@@ -355,7 +363,8 @@ def run_generate(
     for row in rows:
         if row not in HF_ROWS:
             get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
-            config_for(row, budget, top_p, dense_below)  # bad budget / top_p for a method: its ConfigError, before the model
+            # bad budget / top_p / dense layers for a method: its ConfigError, before the model
+            config_for(row, budget, top_p, dense_below, dense_layers)
     check_prefill(prefill, rows, model=model, prefill_chunk_size=prefill_chunk_size)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -387,7 +396,7 @@ def run_generate(
         for row in rows:
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
                                   prefill_chunk_size=prefill_chunk_size, dense_below=dense_below, prefill=prefill,
-                                  seed=seed, profile_step=profile_step)  # fmt: skip
+                                  seed=seed, profile_step=profile_step, dense_layers=dense_layers)  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
             say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
@@ -402,6 +411,7 @@ def run_generate(
         "budget": budget,
         "top_p": top_p,
         "dense_below": dense_below,
+        "dense_layers": dense_layers,
         "new_tokens": new_tokens,
         "warmup": warmup,
         "prefill_chunk_size": prefill_chunk_size,

@@ -122,7 +122,8 @@ def throughput_search(rows: tuple[str, ...], measure: Measure, max_batch: int) -
     return {"reference_row": reference, "rows": summary}
 
 
-def check_rows(rows: tuple[str, ...], budget: float, top_p: float | None) -> None:
+def check_rows(rows: tuple[str, ...], budget: float, top_p: float | None,
+               dense_layers: tuple[int, ...] | None = None) -> None:  # fmt: skip
     """Unknown rows and bad method settings: one ConfigError each, before any model is built."""
     from sparsekv.registry import get_method_class
 
@@ -134,7 +135,7 @@ def check_rows(rows: tuple[str, ...], budget: float, top_p: float | None) -> Non
                               "every batch the search tries; use hf-dense or dense as the dense rows")  # fmt: skip
         if row not in HF_ROWS:
             get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
-            config_for(row, budget, top_p)  # bad budget / top_p for a method: its ConfigError
+            config_for(row, budget, top_p, dense_layers=dense_layers)  # bad settings for a method: its ConfigError
 
 
 def memory_limit_bytes(memory_gb: float | None, total: int, free: int) -> int:
@@ -216,11 +217,13 @@ def run_throughput(
     max_batch: int = 1024,
     seed: int = 0,
     prefill: str = "model",
+    dense_layers: tuple[int, ...] | None = None,
     progress=None,
 ) -> dict:
     """Every row's largest batch under the memory limit and its decode speed there (see the module's docstring);
     `progress` is told each try's outcome in a line. prefill="synthetic": each try's prompt K/V are written into
-    its cache (`time_generate`), so a long context's batch search does not spend minutes prefilling."""
+    its cache (`time_generate`), so a long context's batch search does not spend minutes prefilling.
+    dense_layers: the layers the methods keep dense (None: the config's default, layers 0 and 1)."""
     from sparsekv.bench.e2e import build_model
 
     for what, value, least in (("context", context, 2), ("new_tokens", new_tokens, 1), ("warmup", warmup, 0),
@@ -229,7 +232,7 @@ def run_throughput(
             raise ConfigError(f"{what} must be >= {least}, got {value}")
     if memory_gb is not None and not memory_gb > 0:
         raise ConfigError(f"--memory-gb must be > 0, got {memory_gb}")
-    check_rows(rows, budget, top_p)
+    check_rows(rows, budget, top_p, dense_layers)
     chunk = prefill_chunk_size if prefill == "model" else None  # a synthetic prefill feeds no prompt chunks
     check_prefill(prefill, rows, model=model, prefill_chunk_size=chunk)
     # unknown model: a ConfigError; the weights' size decides below whether the limit can hold them at all
@@ -249,7 +252,7 @@ def run_throughput(
         net = build_model(model, layers=layers, dtype=torch.bfloat16, device=device, seed=seed)
         measure = gpu_measure(net, context=context, seed=seed, prefill=prefill, progress=progress, budget=budget,
                               top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
-                              prefill_chunk_size=chunk)  # fmt: skip
+                              prefill_chunk_size=chunk, dense_layers=dense_layers)  # fmt: skip
         found = throughput_search(rows, measure, max_batch)
         del net, measure
         _free_memory()
@@ -263,6 +266,7 @@ def run_throughput(
         "budget": budget,
         "top_p": top_p,
         "dense_below": dense_below,
+        "dense_layers": dense_layers,
         "new_tokens": new_tokens,
         "warmup": warmup,
         "prefill_chunk_size": chunk,
