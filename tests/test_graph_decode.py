@@ -99,30 +99,40 @@ def test_spotlight_fixed_step_on_the_device_path_equals_eager(real_model, prompt
     when the steps end, without kernels in the steps. The eager path's tokens and stats."""
     from sparsekv.selectors import spotlight
     from sparsekv.selectors.base import _fixed_hamming_core
-    from sparsekv.stats import BudgetStats
 
     def device_select(query_codes, key_codes, bits, step, threshold_hints=None):
         if step.hints is None or not step.hints.fixed:
             return None
         return _fixed_hamming_core(query_codes(), key_codes, bits, step, threshold_hints)
 
-    pairs, device_adds = [], []
+    pairs = []
     pair = spotlight.SpotlightSelector._query_codes
     monkeypatch.setattr(spotlight, "fixed_hamming_selection", device_select)
     monkeypatch.setattr(spotlight.SpotlightSelector, "_defers", lambda self, keys: True)
     monkeypatch.setattr(spotlight.SpotlightSelector, "_query_codes",
                         lambda self, query: pairs.append(self._pending_slots is not None) or pair(self, query))
+    config = SparseConfig(method="spotlight", budget=budget, local=4, dense_below=0)
+    device_adds = _device_path_equals_eager(real_model[0], prompt, config, monkeypatch)
+    assert any(pairs) and not device_adds  # slotted pair hashes ran; no layer added stats on the device
+
+
+def _device_path_equals_eager(model, prompt, config: SparseConfig, monkeypatch) -> list:
+    """24 greedy steps of `config` eagerly and through its fixed-shape step: the same tokens and the same stats
+    (tokens attended, context, per layer). Returns the stats that layers added on the device in either run
+    (`BudgetStats.add`; a fixed step whose counts are known on the host adds none)."""
+    from sparsekv.stats import BudgetStats
+
+    device_adds = []
     add = BudgetStats.add
     monkeypatch.setattr(BudgetStats, "add", lambda *args: device_adds.append(args) or add(*args))
-    config = SparseConfig(method="spotlight", budget=budget, local=4, dense_below=0)
-    eager, _, eager_cache = _generate(model := real_model[0], prompt, config, graph_decode=False, steps=24)
+    eager, _, eager_cache = _generate(model, prompt, config, graph_decode=False, steps=24)
     fixed, steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
     assert torch.equal(fixed, eager) and steps["fixed-shape"] == 22
-    assert any(pairs) and not device_adds  # slotted pair hashes ran; no layer added stats on the device
     eager_stats, fixed_stats = eager_cache.stats.summary(), fixed_cache.stats.summary()
     for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
         assert fixed_stats[key] == pytest.approx(eager_stats[key], rel=1e-9)
     assert fixed_stats["per_layer_avg_tokens"] == pytest.approx(eager_stats["per_layer_avg_tokens"], rel=1e-9)
+    return device_adds
 
 
 @pytest.mark.parametrize("budget", [48, 0.05])
@@ -133,9 +143,8 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     the steps end, without kernels in the steps. The eager path's tokens and stats."""
     from sparsekv.selectors.base import DecodeStep
     from sparsekv.selectors.self_index import device, selector
-    from sparsekv.stats import BudgetStats
 
-    device_adds, counted, tails = [], [], []
+    counted, tails = [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
     # the re-rank and the attention on the ops (their references here), as on CUDA
     applies = device.applies
@@ -149,20 +158,12 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     fused = selector.lut_topk_fixed
     monkeypatch.setattr(selector, "lut_topk_fixed",
                         lambda *args, **kw: counted.append(kw["counts"] is not None) or fused(*args, **kw))  # fmt: skip
-    add = BudgetStats.add
-    monkeypatch.setattr(BudgetStats, "add", lambda *args: device_adds.append(args) or add(*args))
     config = SparseConfig(method="self-index", budget=budget, local=4, dense_below=0)
-    eager, _, eager_cache = _generate(model := real_model[0], prompt, config, graph_decode=False, steps=24)
-    fixed, steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
-    assert torch.equal(fixed, eager) and steps["fixed-shape"] == 22
+    device_adds = _device_path_equals_eager(real_model[0], prompt, config, monkeypatch)
     assert counted and all(c == (budget != 48) for c in counted) and not device_adds
     # the re-rank and the attention of a fixed-shape step's layers read one shared tail start
     fixed_steps = [h for h in tails if h is not None and h.fixed]
     assert fixed_steps and all(len([k for k in h.shared if k[0] == "self-index tail from"]) == 1 for h in fixed_steps)
-    eager_stats, fixed_stats = eager_cache.stats.summary(), fixed_cache.stats.summary()
-    for key in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
-        assert fixed_stats[key] == pytest.approx(eager_stats[key], rel=1e-9)
-    assert fixed_stats["per_layer_avg_tokens"] == pytest.approx(eager_stats["per_layer_avg_tokens"], rel=1e-9)
 
 
 def test_padded_batches_and_methods_without_a_fixed_step_decode_eagerly(real_model):
