@@ -3,6 +3,7 @@ two-stage selection (LUT top-k, re-rank by q . K as attention reads K) and atten
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -315,8 +316,13 @@ class SelfIndexSelector(TokenSelector):
         if self.kv.k_signs is None:
             return step
         if self._rotated_for is None or self._rotated_for[0] is not step.query:
-            self._rotated_for = (step.query, self.kv.rotate_keys(step.query))
+            rotate = maybe_compiled(CompressedStore.rotate_keys, self._compiles(step))
+            self._rotated_for = (step.query, rotate(self.kv, step.query))
         return step.replace(query=self._rotated_for[1])
+
+    def _compiles(self, step: DecodeStep) -> bool:
+        """Whether the step's tensor code runs through torch.compile: fixed-shape steps under `compile_step`."""
+        return self.compiled_step and step.hints is not None and step.hints.fixed
 
     # --- selection ----------------------------------------------------------------------------------------------
 
@@ -536,13 +542,14 @@ class SelfIndexSelector(TokenSelector):
         over it and the output is un-rotated here (out = out' R^T)."""
         step = self._rotated_query(step)
         kv = self.kv
+        unrotate = functools.partial(maybe_compiled(CompressedStore.unrotate_values, self._compiles(step)), kv)
         if (on_kernels := device.attend(kv, step, selection, scaling)) is not None:
-            return kv.unrotate_values(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
+            return unrotate(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
             keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
             out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
                                    tickets=self.attention_tickets(selection, step.query.device))  # fmt: skip
-            return kv.unrotate_values(out)
+            return unrotate(out)
         query = step.query
         b, hq, q_len, d = query.shape
         s = selection.indices.shape[1]
@@ -560,7 +567,7 @@ class SelfIndexSelector(TokenSelector):
                 all_positions[lo:hi],
                 scaling,
             )
-        return out if kv.v_signs is None else kv.unrotate_values(out).to(query.dtype)
+        return out if kv.v_signs is None else unrotate(out).to(query.dtype)
 
     def _attend_chunk(self, query, indices, valid, positions, scaling) -> torch.Tensor:
         b, hq, q, d = query.shape
