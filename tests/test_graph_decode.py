@@ -242,9 +242,9 @@ def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch, rule):
     assert torch.equal(out[:, ids.shape[1] :], eager)
     from sparsekv.selectors.base import COMPILED
 
-    pieces = {"_fixed_candidates", "_fixed_rerank"} if rule == "device" else {"quantized_lut", "_rerank_scores"}
+    pieces = {"_fixed_candidates", "_fixed_rerank"} if rule == "device" else {"_first_stage_inputs", "_rerank_scores"}
     # the rotations of the step's query, key, value and output too (multiply-sums fused by inductor, `store._times`)
-    assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", "rotate_keys", "unrotate_values",
+    assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", "rotate_keys", "_output_rows",
                                                 *pieces}  # fmt: skip
     stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])
@@ -580,4 +580,4 @@ def test_methods_command_lists_each_methods_dense_fallback_and_decode_paths(monk
     assert f"below {get_method_class('spotlight').dense_below:,} cached tokens" in rows["spotlight"]
     # the decode paths: captured lossless rounds for slot-state methods, eager ones otherwise, none where refused
     assert rows["streaming"].rstrip(" │").endswith("captured") and rows["quest"].rstrip(" │").endswith("eager")
-    assert rows["h2o"].rstrip(" │").endswith("no") and rows["self-index"].split("│")[5].strip() == "no"
+    assert rows["h2o"].rstrip(" │").endswith("no") and rows["self-index"].split("│")[5].strip() == "eager"

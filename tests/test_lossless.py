@@ -34,7 +34,8 @@ def dense_tokens(real_model, long_prompt):
 
 # lsh at 2% only: its CPU scoring of a 4K context makes each lsh case about five minutes
 @pytest.mark.parametrize("method,budget", [("lsh", 0.02), ("spotlight", 0.02), ("spotlight", 0.1), ("quest", 0.02),
-                                           ("quest", 0.1), ("streaming", 0.02), ("streaming", 0.1)])  # fmt: skip
+                                           ("quest", 0.1), ("streaming", 0.02), ("streaming", 0.1),
+                                           ("self-index", 0.02), ("self-index", 0.1)])  # fmt: skip
 def test_lossless_output_is_dense_token_for_token(real_model, long_prompt, dense_tokens, method, budget):
     model, tokenizer = real_model
     result = sparsekv.generate(model, tokenizer, long_prompt, SparseConfig(method=method, budget=budget),
@@ -85,15 +86,14 @@ def test_lossless_model_generate_refuses_what_it_does_not_do(real_model):
             model.generate(ids, attention_mask=torch.cat([ids.new_ones(1, 3), ids.new_zeros(1, ids.shape[1] - 3)], 1),
                            max_new_tokens=4, do_sample=False)  # fmt: skip
         assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
-    for bad, match in ((SparseConfig(method="self-index"), "compressed"), (SparseConfig(method="dense"), "densely")):
-        with pytest.raises(ConfigError, match=match):
-            sparsekv.enable(model, bad, lossless=True)
+    with pytest.raises(ConfigError, match="densely"):
+        sparsekv.enable(model, SparseConfig(method="dense"), lossless=True)
     for bad in (0, "many", 2.5):
         with pytest.raises(ConfigError, match="draft_tokens"):
             sparsekv.enable(model, SparseConfig(method="lsh"), lossless=True, draft_tokens=bad)
 
 
-@pytest.mark.parametrize("method", ["h2o", "self-index", "dense"])
+@pytest.mark.parametrize("method", ["h2o", "dense"])
 def test_lossless_refuses_methods_that_cannot_be_verified(real_model, method):
     model, tokenizer = real_model
     with pytest.raises(ConfigError, match="lossless|rolled back"):
@@ -278,6 +278,22 @@ def test_prompt_lookup_and_assisted_generation_under_sparsekv(tiny, method):
     assert torch.equal(_greedy(tiny, config, ids, prompt_lookup_num_tokens=3), plain)
     assistant = random_model("tiny-llama", dtype=torch.float64, seed=1)
     assert torch.equal(_greedy(tiny, config, ids, assistant_model=assistant), plain)
+
+
+def test_self_index_drafts_from_its_compressed_cache_and_rolls_back_only_in_lossless_decoding(tiny):
+    """Lossless `model.generate()` keeps the 16-bit K/V beside self-index's compressed cache: the drafts read the
+    compressed cache, the verification the 16-bit K/V, a rejection rebuilds the store, and the output is plain
+    greedy's. Prompt lookup, whose cache holds only the compressed K/V, is a clear error."""
+    config = SparseConfig(method="self-index", budget=0.2, dense_layers=(0,), options={"residual": 8, "k_group": 8})
+    ids = torch.randint(3, tiny.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(2))
+    plain = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    with sparsekv.enabled(tiny, config, lossless=True, draft_tokens=4) as runtime:
+        out = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, plain)
+    assert runtime.drafts.acceptance_rate < 1  # some drafts were rejected: the store was rolled back
+    repeated = torch.cat([ids, ids[:, :12]], dim=1)
+    with pytest.raises(ConfigError, match="self-index"):
+        _greedy(tiny, config, repeated, prompt_lookup_num_tokens=3)
 
 
 SLOT_STATE_METHODS = [m for m in available_methods() if get_method_class(m).slot_state]

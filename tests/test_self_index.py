@@ -9,8 +9,9 @@ from unittest.mock import patch
 import pytest
 import torch
 
+import sparsekv
 from sparsekv import SparseConfig
-from sparsekv.cache import cache_memory
+from sparsekv.cache import SparseCache, cache_memory
 from sparsekv.config import ConfigError
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.kernels.bits import pack_sign_bits
@@ -354,6 +355,24 @@ def test_value_rotation_is_orthogonal_and_fixed(d):
         assert torch.equal(rotation_base(d), rotation_base(d).T)
 
 
+def test_compiled_rotation_is_the_matmul_and_the_output_needs_no_copy():
+    """Under torch.compile a few rows' rotation is a multiply-sum (`store._times`): the matmul's values, and
+    `_output_rows` hands attention its output already laid out as [B, Q, H, d]."""
+    from types import SimpleNamespace
+
+    from sparsekv.selectors.self_index.selector import _output_rows
+    from sparsekv.selectors.self_index.store import CompressedStore, _times
+
+    gen = torch.Generator().manual_seed(0)
+    x, r = torch.randn(2, 4, 3, 32, generator=gen), value_rotation(32, 1, dtype=torch.float32)
+    torch.testing.assert_close(torch.compile(_times, fullgraph=True)(x, r), x @ r, rtol=1e-5, atol=1e-5)
+    kv = SimpleNamespace(unrotate_values=lambda t: CompressedStore._unrotate(kv, t, kv.v_signs),
+                         v_signs=torch.randint(0, 2, (32,), generator=gen).float() * 2 - 1, rot_base=r)  # fmt: skip
+    out = _output_rows(kv, x)
+    torch.testing.assert_close(out, (x @ r.T) * kv.v_signs)
+    assert out.transpose(1, 2).is_contiguous()
+
+
 def _decode_step(sel, query, n, budget):
     from sparsekv.selectors.base import DecodeStep
 
@@ -545,6 +564,51 @@ def test_compressed_chunked_equals_token_by_token(tiny, gqa, options):
         [torch.nn.functional.pad(m, (0, 56 - m.shape[-1])) for _, m, _, _ in rec_s.calls], dim=2
     )
     assert torch.equal(masks_c, masks_s)
+
+
+@pytest.mark.parametrize("options", [
+    {"sink_tokens": 4, "residual": 8, "k_group": 8},
+    {"sink_tokens": 4, "residual": 16, "k_group": 8},
+    {"sink_tokens": 2, "residual": 8, "k_axis": "token"},
+    {"kv_bits": 16, "sink_tokens": 2},
+])  # fmt: skip
+def test_rollback_beside_16_bit_kv_equals_never_having_decoded_the_tokens(tiny, options):
+    """Lossless decoding's cache keeps 16-bit K/V beside self-index's storage (`keeps_plain_kv`): a crop back
+    across K and residual block ends rebuilds the store exactly, so the later steps and every stored row are those
+    of a cache that never held the dropped tokens. Without the 16-bit K/V a rollback is a clear error."""
+    config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), options=options)
+    ids = ids_for(tiny, 2, 64, seed=11)
+
+    def step(cache, lo, hi):
+        return tiny(input_ids=ids[:, lo:hi], **cache_kwargs(tiny, cache), use_cache=True).logits
+
+    with sparsekv.enabled(tiny, config):
+        rolled, straight = (SparseCache.for_model(tiny, config, keeps_plain_kv=True) for _ in range(2))
+        for cache in (rolled, straight):
+            step(cache, 0, 34)
+        for t in range(34, 57):
+            step(rolled, t, t + 1)
+        rolled.crop(43 - 57)  # back over the blocks that ended at 42 and 50
+        for t in range(34, 43):
+            step(straight, t, t + 1)
+        for layer_r, layer_s in zip(rolled.layers, straight.layers):
+            if layer_r.selector is None:
+                continue
+            kv_r, kv_s = layer_r.selector.kv, layer_s.selector.kv
+            assert kv_r.rows.length == kv_s.rows.length == 43 and kv_r.tail_start == kv_s.tail_start
+            for name in kv_s.rows.tensors:
+                assert torch.equal(kv_r.rows.view(name), kv_s.rows.view(name)), name
+            for buffers_r, buffers_s in ((kv_r.tail, kv_s.tail), (kv_r.k_blocks, kv_s.k_blocks)):
+                assert buffers_r.length == buffers_s.length
+                assert all(torch.equal(buffers_r.view(n), buffers_s.view(n)) for n in buffers_s.tensors)
+        later = [torch.cat([step(cache, t, t + 1) for t in range(43, 64)], dim=1) for cache in (rolled, straight)]
+        assert torch.equal(*later)
+        compressed_only = SparseCache.for_model(tiny, config)
+        step(compressed_only, 0, 34)
+        for t in range(34, 37):
+            step(compressed_only, t, t + 1)
+        with pytest.raises(ConfigError, match="lossless"):
+            compressed_only.crop(-2)
 
 
 def test_16_bit_variant_reproduces_dense_at_full_budget(tiny):

@@ -381,7 +381,8 @@ def generate(
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         capacity = input_ids.shape[1] + max_new_tokens
-        cache = SparseCache(config, layer_infos(model), initial_capacity=capacity)
+        # lossless: a compressing method (self-index) drafts from its storage, the verification reads 16-bit K/V
+        cache = SparseCache(config, layer_infos(model), initial_capacity=capacity, keeps_plain_kv=lossless)
         logits = prefill(model, cache, input_ids, attention_mask)
         _synchronize(device)
         prefill_end = time.perf_counter()

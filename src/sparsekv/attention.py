@@ -220,10 +220,10 @@ def _decode(module, query, key, value, attention_mask, scaling, cache: SparseCac
         pruner.append(new_keys, new_values)
     if cache.attend_densely:
         # a verification forward of lossless decoding: exact attention; the state still follows the cache
-        if selector.stores_kv:
+        if layer.stores_kv:
             raise ConfigError(
-                f"{selector.name} keeps only its compressed K/V, so it cannot verify densely: lossless decoding needs "
-                "a method that keeps the full K/V"
+                f"{selector.name} keeps only its compressed K/V, so it cannot verify densely: lossless decoding keeps "
+                "the 16-bit K/V beside it (`lossless=True`)"
             )
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling)
     config = cache.config

@@ -83,12 +83,19 @@ class SparseLayer(DynamicLayer):
     plus the layer's selector (None on dense layers)."""
 
     def __init__(
-        self, selector: TokenSelector | None, pruner: Pruner | None = None, initial_capacity: int = 0
+        self,
+        selector: TokenSelector | None,
+        pruner: Pruner | None = None,
+        initial_capacity: int = 0,
+        keeps_plain: bool = False,
     ):
         super().__init__()
         self.selector = selector
         self.pruner = pruner
         self.initial_capacity = initial_capacity
+        #: a compressing selector stores the tokens and the layer keeps its own 16-bit K/V beside them (lossless
+        #: decoding: the drafts read the selector's storage, the dense verification the 16-bit K/V)
+        self.keeps_plain = keeps_plain
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self.length = 0
@@ -116,10 +123,11 @@ class SparseLayer(DynamicLayer):
         new = key_states.shape[-2]
         needed = self.length + new
         if self.selector is not None and self.selector.stores_kv and not self.prompt_open:
-            self.length, self.new_tokens = needed, new
             self.selector.store(key_states, value_states)
-            self.keys = self.values = self._stand_in(self.length)
-            return self.keys, self.values
+            if not self.keeps_plain:
+                self.length, self.new_tokens = needed, new
+                self.keys = self.values = self._stand_in(self.length)
+                return self.keys, self.values
         if self.prompt_stored:
             return self._update_stored_prompt(key_states, value_states)
         if self._key_buffer is None or needed > self._key_buffer.shape[-2]:
@@ -215,8 +223,9 @@ class SparseLayer(DynamicLayer):
 
     @property
     def stores_kv(self) -> bool:
-        """The layer's selector keeps the K/V itself (compressed caches): the layer holds no K/V buffer."""
-        return self.selector is not None and self.selector.stores_kv
+        """The layer's selector keeps the K/V itself (compressed caches): the layer holds no K/V buffer (unless it
+        `keeps_plain` K/V beside them)."""
+        return self.selector is not None and self.selector.stores_kv and not self.keeps_plain
 
     @property
     def holds_prompt(self) -> bool:
@@ -313,7 +322,9 @@ class SparseLayer(DynamicLayer):
                 f"(asked to keep {keep})"
             )
         for state in (self.selector, self.pruner):
-            if state is not None:
+            if state is self.selector and self.keeps_plain and state.stores_kv:
+                state.crop_stored(keep, self.keys, self.values)
+            elif state is not None:
                 state.crop(keep)
         self.length, self.new_tokens = keep, 0
         # the K/V buffer (or a compressing selector's stand-in view) simply ends earlier; later writes overwrite
@@ -337,6 +348,7 @@ class SparseCache(Cache):
         infos: list[LayerInfo],
         initial_capacity: int = 0,
         prompt_length: int | None = None,
+        keeps_plain_kv: bool = False,
     ):
         method = get_method_class(config.method)
         if infos:
@@ -351,7 +363,7 @@ class SparseCache(Cache):
                 continue
             selector = method(config, info, **config.options)
             pruner = pruner_class(config, info) if pruner_class else None
-            layers.append(SparseLayer(selector, pruner, initial_capacity))
+            layers.append(SparseLayer(selector, pruner, initial_capacity, keeps_plain=keeps_plain_kv))
         super().__init__(layers=layers)
         self.config = config
         self.infos = infos
@@ -500,9 +512,10 @@ class SparseCache(Cache):
 
     @classmethod
     def for_model(
-        cls, model, config: SparseConfig, initial_capacity: int = 0, prompt_length: int | None = None
-    ) -> SparseCache:
-        return cls(config, layer_infos(model), initial_capacity, prompt_length)
+        cls, model, config: SparseConfig, initial_capacity: int = 0, prompt_length: int | None = None,
+        keeps_plain_kv: bool = False,
+    ) -> SparseCache:  # fmt: skip
+        return cls(config, layer_infos(model), initial_capacity, prompt_length, keeps_plain_kv)
 
 
 def cache_memory(cache: SparseCache, capacity: bool = True) -> dict:

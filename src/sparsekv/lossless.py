@@ -256,10 +256,10 @@ def lossless_refusal(name: str) -> str | None:
     method = get_method_class(name)
     if method.dense or method.rewrites_prompt:
         return f"lossless decoding drafts with a sparse method; {name} decodes densely already"
-    if method.stores_kv:
-        return (f"{name} keeps only its compressed K/V, so a dense step cannot verify its drafts; lossless decoding "
-                "needs a method that keeps the full K/V")  # fmt: skip
-    if method.crop is TokenSelector.crop:
+    if method.stores_kv:  # the lossless cache keeps the 16-bit K/V beside its storage: `crop_stored` rolls it back
+        if method.crop_stored is TokenSelector.crop_stored:
+            return f"{name} keeps storage that cannot be rolled back, so rejected drafts cannot be undone"
+    elif method.crop is TokenSelector.crop:
         return f"{name} keeps state that cannot be rolled back (it evicts for good), so rejected drafts cannot be undone"
     return None
 
@@ -587,7 +587,8 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, co
     pad = kwargs.get("pad_token_id", generation.pad_token_id)
     pad = pad if pad is not None else (int(eos[0]) if len(eos) else 0)
     streamer = kwargs.get("streamer")
-    cache = SparseCache(config, layer_infos(model), initial_capacity=ids.shape[1] + max_new)
+    # a compressing method (self-index) drafts from its own storage; the dense verification reads the 16-bit K/V
+    cache = SparseCache(config, layer_infos(model), initial_capacity=ids.shape[1] + max_new, keeps_plain_kv=True)
     with torch.inference_mode():
         if streamer is not None:
             streamer.put(ids.cpu())

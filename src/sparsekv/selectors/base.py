@@ -602,6 +602,13 @@ class TokenSelector:
             "prompt lookup are not available with it"
         )
 
+    def crop_stored(self, length: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`crop` of a `stores_kv` method decoding beside the cache's own 16-bit K/V (lossless decoding), with the
+        cached tokens' K/V (keys / values [B, Hkv, >= length, d]) to rebuild its storage from."""
+        raise ConfigError(
+            f"{self.name} keeps state that cannot be rolled back, so lossless decoding is not available with it"
+        )
+
     def prompt_query_window(self) -> int | None:
         """How many of the prompt's last queries `prefill` reads (None: all of them). A prompt fed in chunks keeps
         only these between chunks; the others are never stored."""

@@ -226,6 +226,15 @@ class SelfIndexSelector(TokenSelector):
             raise RuntimeError("self-index stores tokens after its prefill")
         self.kv.append(key_states, value_states)
 
+    def crop(self, length: int) -> None:
+        raise ConfigError(
+            "self-index keeps only its compressed K/V, so it rolls back only where the cache keeps the 16-bit K/V "
+            "beside it: in lossless decoding (`lossless=True`), not in assisted generation or prompt lookup"
+        )
+
+    def crop_stored(self, length: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.kv.crop(length, keys, values)
+
     def begin_fixed_shape(self, capacity: int) -> None:
         self.kv.begin_fixed(capacity)
 
@@ -457,7 +466,7 @@ class SelfIndexSelector(TokenSelector):
         sign_bits = self.kv.rows.view("sign_bits")
         b, hkv = sign_bits.shape[:2]
         budgets = _row_budgets(step, b, hkv)
-        table, _ = maybe_compiled(quantized_lut, self.compiled_step)(step.query, self._by_nibble())
+        table, summed = maybe_compiled(_first_stage_inputs, self.compiled_step)(step.query, self._by_nibble())
         scale = max(1, self.rescore)
         wide = min(sign_bits.shape[2], scale * k_max)
         held = hints.min_written is not None and wide <= hints.min_written
@@ -475,7 +484,7 @@ class SelfIndexSelector(TokenSelector):
             if self.rescore == 0:
                 return Selection(indices=picked.gather(-1, pick), valid=keep)
             picked, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
-        fine = self._candidate_scores(step, picked)
+        fine = self._candidate_scores(step, picked, summed)
         second = maybe_compiled(_rerank_scores, self.compiled_step)(ranks, fine, keep)
         pick, valid = select_within(second, budgets, k_max)
         return Selection(indices=picked.gather(-1, pick), valid=valid, exact_budgets=held)
@@ -512,12 +521,12 @@ class SelfIndexSelector(TokenSelector):
         second = torch.where(priority, first, fine).masked_fill(~keep, float("-inf"))
         return torch.full_like(scores, float("-inf")).scatter(-1, index, second)
 
-    def _candidate_scores(self, step: DecodeStep, index: torch.Tensor) -> torch.Tensor:
+    def _candidate_scores(self, step: DecodeStep, index: torch.Tensor, summed: torch.Tensor | None = None) -> torch.Tensor:
         """q . (K - mu) for the tokens `index` [B, S, Q, C] of each row, with the keys as the row's query reads them
         in attention (`read_keys`: compressed tokens dequantized, sinks and the query's residual block at 16-bit).
-        The query is summed over the group for gqa="group" (exact by linearity); q . mu is the same for every key
-        of a row and is left out."""
-        if (on_kernels := device.candidate_scores(self.kv, step, index)) is not None:
+        The query is summed over the group for gqa="group" (exact by linearity; `summed`: already summed, by
+        `device.group_query`); q . mu is the same for every key of a row and is left out."""
+        if (on_kernels := device.candidate_scores(self.kv, step, index, summed)) is not None:
             return on_kernels
         layer = step.layer
         work = self.kv.mu.dtype
@@ -542,7 +551,7 @@ class SelfIndexSelector(TokenSelector):
         over it and the output is un-rotated here (out = out' R^T)."""
         step = self._rotated_query(step)
         kv = self.kv
-        unrotate = functools.partial(maybe_compiled(CompressedStore.unrotate_values, self._compiles(step)), kv)
+        unrotate = functools.partial(maybe_compiled(_output_rows, self._compiles(step)), kv)
         if (on_kernels := device.attend(kv, step, selection, scaling)) is not None:
             return unrotate(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
@@ -589,6 +598,20 @@ def _row_budgets(step: DecodeStep, b: int, hkv: int) -> torch.Tensor:
     if key not in shared:
         shared[key] = step.budgets[:, None, :].expand(b, hkv, 1).contiguous()
     return shared[key]
+
+
+def _output_rows(kv: CompressedStore, out: torch.Tensor) -> torch.Tensor:
+    """An attention output [B, Hq, Q, d] in the stored V domain -> out R^T (`unrotate_values`), laid out as
+    [B, Q, Hq, d]: the attention function's transpose to that layout then copies nothing (compiled, one kernel
+    does both)."""
+    return kv.unrotate_values(out).transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _first_stage_inputs(query: torch.Tensor, by_nibble: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused step's query-side work in one piece (one compiled graph under `compile_step`): the first stage's
+    integer LUT (`quantized_lut`) and the re-rank's group-summed query (`device.group_query`)."""
+    table, _ = quantized_lut(query, by_nibble)
+    return table, device.group_query(query, by_nibble.shape[1])
 
 
 def _rerank_scores(ranks: torch.Tensor, fine: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ the query's own residual block from their 16-bit copies); `kernel_view` hands th
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -210,6 +211,26 @@ class CompressedStore:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode tokens (keys / values [B, Hkv, T, d] as the model gives them), with the prompt's statistics."""
         self._append(self.rotate_keys(keys), values)
+
+    def crop(self, length: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Rolls the store back to its first `length` tokens (decode tokens only), exactly: back to the last count
+        at which a K block and a residual block both ended, where `append` leaves nothing half-built, then the
+        tokens from there up to `length` appended again from keys / values [B, Hkv, >= length, d], the K/V as the
+        model gave them (an `append` of a chunk writes what token-by-token appends write)."""
+        if length < self.decode_start or self.fixed_position is not None:
+            raise ConfigError(f"self-index rolls back decode tokens only, between fixed-shape steps (asked {length})")
+        tail = self.compressed and self.residual > 0
+        period = math.lcm(self.residual if tail else 1, self.k_group if self.channel_axis else 1)
+        start = self.decode_start + (length - self.decode_start) // period * period
+        self.rows.length = start
+        if self.channel_axis:
+            self.k_done = start
+            self.k_blocks.length = (start + self.k_pad) // self.k_group
+        if tail:
+            self.tail, self.tail_start = RowBuffers(reserve=self.residual, step=self.residual), start
+        if length > start:
+            self.append(keys[:, :, start:length], values[:, :, start:length])
+            self.trim_tail()
 
     def set_sinks(self, positions: torch.Tensor, rank: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The sinks of a prompt stored chunk by chunk, chosen once it ended: positions / rank [B, Hkv, S] as
