@@ -745,3 +745,22 @@ def test_device_top_k_path_selects_what_the_sorted_rule_selects(options):
     scores = to_selection_heads(sel.score(step), step).float()
     fast = sel._select_uniform_device(step, scores, 30)
     assert fast.valid.all() and torch.equal(fast.to_mask(300), expected)
+
+
+def test_cache_memory_counts_the_16_bit_kv_kept_beside_the_store(tiny):
+    """A lossless cache's self-index layers hold their compressed store and the 16-bit K/V its verification
+    reads: both are counted."""
+    config = SparseConfig(method="self-index", budget=0.3, dense_layers=(0,), options={"residual": 8, "k_group": 8})
+    ids = ids_for(tiny, 1, 40, seed=3)
+    sizes = {}
+    for keeps in (False, True):
+        cache = SparseCache.for_model(tiny, config, keeps_plain_kv=keeps)
+        with sparsekv.enabled(tiny, config):
+            tiny(input_ids=ids, **cache_kwargs(tiny, cache), use_cache=True)
+        sizes[keeps] = cache_memory(cache, capacity=False)
+    assert "verification_kv" not in sizes[False]["components"]
+    info = tiny.config
+    head_dim = info.hidden_size // info.num_attention_heads
+    plain = (info.num_hidden_layers - 1) * 2 * 40 * info.num_key_value_heads * head_dim * 8  # float64 K and V
+    assert sizes[True]["components"]["verification_kv"] == plain
+    assert sizes[True]["bytes_total"] == sizes[False]["bytes_total"] + plain

@@ -534,8 +534,13 @@ def cache_memory(cache: SparseCache, capacity: bool = True) -> dict:
     for layer, info in zip(cache.layers, cache.infos):
         kv_heads, head_dim = info.num_kv_heads, info.head_dim
         selector = layer.selector
+        keys, values = ("_key_buffer", "_value_buffer") if capacity else ("keys", "values")
         if selector is not None and hasattr(selector, "memory_breakdown"):
-            parts = selector.memory_breakdown()
+            parts = dict(selector.memory_breakdown())
+            if layer.keeps_plain:  # lossless decoding: the 16-bit K/V its verification reads, beside the storage
+                parts["verification_kv"] = tensor_nbytes(getattr(layer, keys, None)) + tensor_nbytes(
+                    getattr(layer, values, None)
+                )
             compressed_layers += 1
             compressed_bytes += sum(parts.values())
             tokens = max(tokens, selector.num_tokens)
@@ -543,7 +548,6 @@ def cache_memory(cache: SparseCache, capacity: bool = True) -> dict:
                 batch = selector.mu.shape[0]
         else:
             dense_layers += 1
-            keys, values = ("_key_buffer", "_value_buffer") if capacity else ("keys", "values")
             parts = {
                 "dense_layers_kv": tensor_nbytes(getattr(layer, keys, None))
                 + tensor_nbytes(getattr(layer, values, None))
