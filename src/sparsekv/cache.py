@@ -340,7 +340,8 @@ class SparseLayer(DynamicLayer):
 
 
 class SparseCache(Cache):
-    """One `SparseLayer` per decoder layer; sparse layers carry a fresh selector instance."""
+    """One `SparseLayer` per decoder layer; sparse layers carry a fresh selector instance. `keeps_plain_kv`
+    (lossless decoding): every layer keeps 16-bit K/V, also where a compressing selector stores the tokens."""
 
     def __init__(
         self,
