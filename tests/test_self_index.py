@@ -764,3 +764,21 @@ def test_cache_memory_counts_the_16_bit_kv_kept_beside_the_store(tiny):
     plain = (info.num_hidden_layers - 1) * 2 * 40 * info.num_key_value_heads * head_dim * 8  # float64 K and V
     assert sizes[True]["components"]["verification_kv"] == plain
     assert sizes[True]["bytes_total"] == sizes[False]["bytes_total"] + plain
+
+
+def test_constants_kept_across_calls_are_made_outside_inference_mode(monkeypatch):
+    """`sparsekv.generate` runs in inference mode; the constants it caches (the rotation base, the nibble order,
+    the Hamming sign table) must still serve a later forward with autograd on, instead of failing there."""
+    from sparsekv.kernels import hamming
+    from sparsekv.selectors.self_index import codes, rotation
+
+    for module, name in ((rotation, "_ROTATION_BASE"), (codes, "_BITREV4_ON"), (hamming, "_SIGN_TABLE")):
+        monkeypatch.setattr(module, name, {})
+    packed = torch.randint(0, 2**31 - 1, (1, 1, 2, 1), dtype=torch.int32)
+    with torch.inference_mode():
+        made = (rotation.rotation_base(16, torch.float32), codes.bitrev4(torch.device("cpu")))
+        hamming._signs(packed, 32)
+    assert not any(t.is_inference() for t in (*made, *hamming._SIGN_TABLE.values()))
+    x = torch.randn(3, 16, requires_grad=True)
+    (x @ rotation.rotation_base(16, torch.float32)).sum().backward()
+    assert x.grad is not None

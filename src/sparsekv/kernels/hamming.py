@@ -52,8 +52,9 @@ def _signs(codes: torch.Tensor, bits: int) -> torch.Tensor:
         # one over the output, where unpacking by shifts makes four passes over the output
         table = _SIGN_TABLE.get(codes.device)
         if table is None:
-            table = _SIGN_TABLE[codes.device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float().mul_(
-                2).sub_(1).to(codes.device)  # fmt: skip
+            with torch.inference_mode(False):  # a constant kept across calls: usable outside inference mode too
+                table = _SIGN_TABLE[codes.device] = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).float().mul_(
+                    2).sub_(1).to(codes.device)  # fmt: skip
         as_bytes = codes.contiguous().view(torch.uint8).to(torch.int32)  # [..., 4W]
         return F.embedding(as_bytes, table).flatten(-2)[..., :bits]
     shifts = torch.arange(32, dtype=torch.int32, device=codes.device)

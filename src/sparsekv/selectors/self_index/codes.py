@@ -22,7 +22,8 @@ _BITREV4_ON: dict[torch.device, torch.Tensor] = {}
 def bitrev4(device: torch.device) -> torch.Tensor:
     """_BITREV4 on `device`, copied once (a host-to-device copy per step would also break CUDA graph capture)."""
     if device not in _BITREV4_ON:
-        _BITREV4_ON[device] = _BITREV4.to(device)
+        with torch.inference_mode(False):  # kept across calls: a constant usable outside inference mode too
+            _BITREV4_ON[device] = _BITREV4.to(device).clone()
     return _BITREV4_ON[device]
 
 

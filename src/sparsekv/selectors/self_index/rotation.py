@@ -22,17 +22,21 @@ def rotation_base(
     device = torch.device(device)
     key = (d, dtype, device)
     if key not in _ROTATION_BASE:
-        if d & (d - 1) == 0:
-            h = torch.ones(1, 1, dtype=torch.float64)
-            while h.shape[0] < d:
-                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-            base = h / math.sqrt(d)
-        else:
-            gen = torch.Generator().manual_seed(V_ROTATE_SEED)
-            q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
-            base = q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)
-        _ROTATION_BASE[key] = base.to(dtype=dtype, device=device)
+        with torch.inference_mode(False):  # kept across calls: a constant usable outside inference mode too
+            _ROTATION_BASE[key] = _make_rotation_base(d).to(dtype=dtype, device=device)
     return _ROTATION_BASE[key]
+
+
+def _make_rotation_base(d: int) -> torch.Tensor:
+    """`rotation_base` in float64 on the CPU."""
+    if d & (d - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / math.sqrt(d)
+    gen = torch.Generator().manual_seed(V_ROTATE_SEED)
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))
+    return q * torch.where(torch.diagonal(r) < 0, -1.0, 1.0)
 
 
 def rotation_signs(
