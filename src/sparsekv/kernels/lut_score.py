@@ -21,12 +21,19 @@ LUT_SCORE_RANK_MAX = 1 + 2 * LUT_SCORE_LIMIT
 SENTINEL = 2**31 - 1  # an unused slot of `forced` (never a key position)
 
 
+def group_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """query [B, Hq, Q, d] -> [B, Hkv, Q, d] float32 summed over each kv head's GQA group (scores linear in q, as
+    the LUT's and q . K, take the group's sum)."""
+    b, hq, q, d = query.shape
+    return query.float().reshape(b, num_kv_heads, hq // num_kv_heads, q, d).sum(2)
+
+
 def lut_tables(query: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """query [B, Hq, Q, d], centroids [B, Hkv, d/4, 16, 4] -> LUT [B, Hkv, Q, d/4, 16] fp32, already summed over
     each kv head's GQA group (scores are linear in q, so the group sum commutes with the lookup)."""
-    b, hq, q, d = query.shape
+    b, _, q, d = query.shape
     hkv = centroids.shape[1]
-    qs = query.float().reshape(b, hkv, hq // hkv, q, d).sum(2).reshape(b, hkv, q, d // 4, 4)
+    qs = group_query(query, hkv).reshape(b, hkv, q, d // 4, 4)
     return torch.einsum("bhqgc,bhgpc->bhqgp", qs, centroids.float())
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparsekv.kernels.compressed_kv import compressed_attention, compressed_key_scores
+from sparsekv.kernels.lut_score import group_query
 
 if TYPE_CHECKING:
     from sparsekv.selectors.base import DecodeStep, Selection
@@ -41,18 +42,11 @@ def _tail_from(kv: CompressedStore, step: DecodeStep, device: torch.device) -> t
     return hints.shared[key]
 
 
-def group_query(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """query [B, Hq, Q, d] -> [B, Hkv, Q, d] float32 summed over each kv head's GQA group (what the re-rank scores
-    with: q . K is linear in q)."""
-    b, _, q_len, d = query.shape
-    return query.float().view(b, num_kv_heads, -1, q_len, d).sum(2)
-
-
 def candidate_scores(
     kv: CompressedStore, step: DecodeStep, index: torch.Tensor, summed: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """`SelfIndexSelector._candidate_scores` on the kernels, or None where they do not apply. `summed`: the
-    step's `group_query`, where the caller has it already."""
+    step's `kernels.lut_score.group_query`, where the caller has it already."""
     if not applies(kv, step):
         return None
     query = group_query(step.query, kv.num_kv_heads) if summed is None else summed

@@ -10,7 +10,13 @@ from typing import ClassVar
 import torch
 
 from sparsekv.config import ConfigError, SparseConfig
-from sparsekv.kernels.lut_score import LUT_SCORE_RANK_MAX, MAX_LISTED, lut_topk_fixed, quantized_lut
+from sparsekv.kernels.lut_score import (
+    LUT_SCORE_RANK_MAX,
+    MAX_LISTED,
+    group_query,
+    lut_topk_fixed,
+    quantized_lut,
+)
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.select_within import select_within
 from sparsekv.kernels.sparse_attention import sparse_attention
@@ -525,7 +531,7 @@ class SelfIndexSelector(TokenSelector):
         """q . (K - mu) for the tokens `index` [B, S, Q, C] of each row, with the keys as the row's query reads them
         in attention (`read_keys`: compressed tokens dequantized, sinks and the query's residual block at 16-bit).
         The query is summed over the group for gqa="group" (exact by linearity; `summed`: already summed, by
-        `device.group_query`); q . mu is the same for every key of a row and is left out."""
+        `group_query`); q . mu is the same for every key of a row and is left out."""
         if (on_kernels := device.candidate_scores(self.kv, step, index, summed)) is not None:
             return on_kernels
         layer = step.layer
@@ -609,9 +615,9 @@ def _output_rows(kv: CompressedStore, out: torch.Tensor) -> torch.Tensor:
 
 def _first_stage_inputs(query: torch.Tensor, by_nibble: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused step's query-side work in one piece (one compiled graph under `compile_step`): the first stage's
-    integer LUT (`quantized_lut`) and the re-rank's group-summed query (`device.group_query`)."""
+    integer LUT (`quantized_lut`) and the re-rank's group-summed query (`group_query`)."""
     table, _ = quantized_lut(query, by_nibble)
-    return table, device.group_query(query, by_nibble.shape[1])
+    return table, group_query(query, by_nibble.shape[1])
 
 
 def _rerank_scores(ranks: torch.Tensor, fine: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
