@@ -537,8 +537,49 @@ def test_dense_fallback_defaults_to_the_methods_crossover_on_cuda_only():
     for bad in (-1, 1.5, True, "32k"):
         with pytest.raises(ConfigError, match="dense_below"):
             SparseConfig(method="spotlight", dense_below=bad)
-    with pytest.raises(ConfigError, match="no dense fallback"):
-        SparseConfig(method="self-index", dense_below=4096)
+    assert SparseConfig(method="self-index").fallback_threshold("cuda") == get_method_class("self-index").dense_below
+
+
+def test_self_index_dense_fallback_keeps_16_bit_kv_for_the_whole_generation(real_model, prompt):
+    """Self-index keeps no 16-bit K/V, so its fallback is decided before the prompt is cached: below the threshold
+    its layers keep 16-bit K/V and attend densely (dense's tokens and memory, every visible token counted in the
+    stats, captured and eager); at the threshold the compressed cache decodes."""
+    from sparsekv.cache import cache_memory
+
+    model, tokenizer = real_model
+    steps = 12
+    dense, _, _ = _generate(model, prompt, SparseConfig(method="dense"), graph_decode=True, steps=steps)
+    below = SparseConfig(method="self-index", budget=0.05, dense_below=prompt.shape[1] + 2)
+    tokens, paths, cache = _generate(model, prompt, below, graph_decode=True, steps=steps)
+    assert torch.equal(tokens, dense)
+    assert paths["fixed-shape (dense fallback)"] == steps - 2 and "fixed-shape" not in paths
+    fell_back = [layer for layer in cache.layers if layer.dense_from is not None]
+    assert len(fell_back) == len(cache.layers) - len(below.dense_layers)
+    assert all(layer.selector is None and layer.dense_from == prompt.shape[1] for layer in fell_back)
+    assert cache_memory(cache)["compressed_layers"] == 0
+    stats = cache.stats.summary()
+    assert stats["avg_budget_tokens"] == pytest.approx(stats["avg_context_tokens"])
+    assert stats["avg_context_tokens"] == pytest.approx(prompt.shape[1] + steps / 2)
+    assert len(stats["per_layer_avg_tokens"]) == len(fell_back)
+    # eager steps (a padded batch): the same fallback, counted per step
+    tokenizer.padding_side = "left"
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    text = tokenizer.decode(prompt[0])
+    batch = tokenizer([text, text[: len(text) // 2]], return_tensors="pt", padding=True)
+    padded = SparseConfig(method="self-index", budget=0.05, dense_below=10**9)
+    with sparsekv.enabled(model, padded, graph_decode=True) as runtime:
+        model.generate(**batch, max_new_tokens=4, do_sample=False)
+        assert runtime.graph.steps.get("eager: the batch is padded") == 3
+        cache = sparsekv.last_cache(model)
+    assert all(layer.selector is None for layer in cache.layers)
+    stats = cache.stats.summary()
+    assert stats["avg_budget_tokens"] == pytest.approx(stats["avg_context_tokens"])
+    assert len(stats["per_layer_avg_tokens"]) == len(cache.layers) - len(padded.dense_layers)
+    # at the threshold: the compressed cache
+    at = SparseConfig(method="self-index", budget=0.05, dense_below=prompt.shape[1] + 1)
+    _, paths, cache = _generate(model, prompt, at, graph_decode=True, steps=steps)
+    assert paths["fixed-shape"] == steps - 2
+    assert cache_memory(cache)["compressed_layers"] == len(cache.layers) - len(at.dense_layers)
 
 
 def test_a_method_with_top_p_takes_the_fixed_shape_step(real_model, prompt):

@@ -145,6 +145,8 @@ def sparse_attention_forward(
         # not ours (no cache / a forward of another module): plain SDPA, what the model would do
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if layer.selector is None:  # a dense layer of the SparseCache
+        if layer.dense_from is not None and key.shape[2] > layer.dense_from and cache.record_stats:
+            _record_dense_fallback(cache, layer, module.layer_idx, query, key, attention_mask)
         return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     if not layer.prompt_open:
@@ -174,6 +176,16 @@ def sparse_attention_forward(
     layer.finish_prompt(key[:, :, :n_prompt], value[:, :, :n_prompt], prompt_queries, prompt_key_mask(mask, n_prompt))
     tail, _ = _decode(module, query[:, :, q_prompt:], key, value, attention_mask, scaling, cache, layer, past_prompt)
     return torch.cat([head, tail], dim=1), None
+
+
+def _record_dense_fallback(cache: SparseCache, layer, layer_idx: int, query, key, attention_mask) -> None:
+    """The stats of a forward of a layer that gave up its compressing selector (`SparseLayer.dense_from`): every
+    visible token of each row of its queries past the prompt."""
+    batch, heads, q_len, _ = query.shape
+    visible = visibility(attention_mask, batch, q_len, key.shape[2], key.device)
+    past_prompt = min(q_len, key.shape[2] - layer.dense_from)
+    rows = key.shape[1] if cache.config.gqa == "group" else heads
+    cache.stats.record_all_visible(layer_idx, visible[:, q_len - past_prompt :], rows)
 
 
 def _stored_prompt_attention(module, query, layer, attention_mask, dropout, scaling, **kwargs):

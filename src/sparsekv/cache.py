@@ -114,6 +114,9 @@ class SparseLayer(DynamicLayer):
         #: fixed-shape decoding (`SparseCache.begin_fixed_shape`): the device position this step's token is written
         #: to; attention then sees the whole preallocated buffer and masks what lies past the position
         self.fixed_position: torch.Tensor | None = None
+        #: the layer gave up its compressing selector for this generation (`SparseCache.settle_fallback`):
+        #: the prompt's length, past which its tokens are counted as attended densely in the stats
+        self.dense_from: int | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -434,7 +437,9 @@ class SparseCache(Cache):
         keys = self.layers[0].keys  # the buffer's view, or a compressing selector's stand-in
         device = keys.device
         length = self.fixed_start = self.layers[0].length
-        self.fixed_dense = self.decodes_densely((length + 1) * keys.shape[0])  # the first step's keys
+        # the first step's keys; a compressing selector's layers decided before the prompt was cached
+        fell_back = any(layer.dense_from is not None for layer in self.layers)
+        self.fixed_dense = fell_back or self.decodes_densely((length + 1) * keys.shape[0])
         self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
         self.fixed_slots = torch.arange(capacity, device=device)
         batch = keys.shape[0] if rows else 1
@@ -445,6 +450,20 @@ class SparseCache(Cache):
         for layer in self.layers:
             layer.begin_fixed_shape(self.fixed_position, capacity, compiled)
         self.prepare_fixed_step()
+
+    def settle_fallback(self, device_type: str, batch: int, prompt_tokens: int) -> None:
+        """Sets the dense fallback (`SparseConfig.dense_below`) of the generation about to run on a `device_type`
+        device, before its prompt is cached. A compressing selector (self-index) keeps no 16-bit K/V to attend
+        densely over, so its fallback is decided here, once: where the batch's cached tokens at the first decode
+        step fall below the threshold, its layers give it up for this generation and keep 16-bit K/V, as dense
+        layers do."""
+        self.fallback_threshold = self.config.fallback_threshold(device_type)
+        if not self.decodes_densely((prompt_tokens + 1) * batch):
+            return
+        for layer in self.layers:
+            if layer.stores_kv and layer.length == 0:
+                layer.selector = layer.pruner = None
+                layer.dense_from = prompt_tokens
 
     def decodes_densely(self, cached_tokens: int) -> bool:
         """Whether a decode step over `cached_tokens` keys (its own included, summed over the batch) takes the
@@ -480,7 +499,7 @@ class SparseCache(Cache):
         """The stats of the dense fallback's fixed-shape steps: every visible token of each sparse layer's rows."""
         steps = self.layers[0].length - self.fixed_start
         for idx, (layer, info) in enumerate(zip(self.layers, self.infos)):
-            if layer.selector is not None and steps > 0:
+            if (layer.selector is not None or layer.dense_from is not None) and steps > 0:
                 heads = info.num_kv_heads if self.config.gqa == "group" else info.num_heads
                 rows = layer.keys.shape[0] * heads
                 # step t sees fixed_start + t + 1 tokens

@@ -35,8 +35,11 @@ class SparseConfig:
         is False): a decode step whose batch holds fewer cached tokens than this (tokens x sequences) attends
         densely, where the method's step would be the slower one; a CUDA graph decides once, when it is captured,
         for the rest of the generation. The selectors' state is kept all the same, and the stats count every
-        visible token as attended. None = the method's measured crossover on CUDA (`TokenSelector.dense_below`),
-        no fallback on CPU; 0 = never. Forwards outside generation (evaluation) always run the method.
+        visible token as attended. A compressing method (self-index) keeps no 16-bit K/V to attend densely over,
+        so it decides once, before the prompt is cached, from the prompt's length and the batch: below the
+        threshold its layers keep 16-bit K/V and attend densely for the whole generation (memory as dense's).
+        None = the method's measured crossover on CUDA (`TokenSelector.dense_below`), no fallback on CPU; 0 =
+        never. Forwards outside generation (evaluation) always run the method.
     """
 
     method: str = "dense"
@@ -87,11 +90,6 @@ class SparseConfig:
         ):
             raise ConfigError(
                 f"dense_below must be an int >= 0 (cached tokens over the batch) or None, got {self.dense_below!r}"
-            )
-        if self.dense_below and get_method_class(self.method).stores_kv:
-            raise ConfigError(
-                f"{self.method} keeps only its compressed K/V, so it has no dense fallback: leave dense_below unset "
-                "or 0"
             )
         if self.gqa not in GQA_POLICIES:
             raise ConfigError(f"gqa must be one of {', '.join(GQA_POLICIES)}, got {self.gqa!r}")

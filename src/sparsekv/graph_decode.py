@@ -119,7 +119,8 @@ class GraphDecode:
             ids = kwargs.get("input_ids")
             if self.cache is not None and self.mode is not False and ids is not None:
                 # the generations this runs take the dense fallback where the method's step would be slower
-                self.cache.fallback_threshold = self.cache.config.fallback_threshold(ids.device.type)
+                prompt_tokens = self.cache.prompt_length or ids.shape[-1]
+                self.cache.settle_fallback(ids.device.type, ids.shape[0], prompt_tokens)
         why = self._refusal(args, kwargs)
         if why is not None:
             if self.cache is not None and self.cache.fixed_position is not None:

@@ -218,6 +218,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
                 runtime.append(rt)
                 if filled:
                     cache = SparseCache.for_model(model, config, initial_capacity=context + steps + 1)
+                    if graph_decode is not False:  # decided before the prompt is cached, as generate() does
+                        cache.settle_fallback(ids.device.type, batch, context)
                     synthetic_fill(model, cache, batch, context, seed=seed)
                     kwargs.update(cache_kwargs(model, cache))
                 model.generate(ids, **kwargs)
