@@ -561,6 +561,10 @@ def test_self_index_dense_fallback_keeps_16_bit_kv_for_the_whole_generation(real
     assert stats["avg_budget_tokens"] == pytest.approx(stats["avg_context_tokens"])
     assert stats["avg_context_tokens"] == pytest.approx(prompt.shape[1] + steps / 2)
     assert len(stats["per_layer_avg_tokens"]) == len(fell_back)
+    # a chunked prefill: decided from the whole prompt's length at its first chunk, the same generation
+    chunked, paths, cache = _generate(model, prompt, below, graph_decode=True, steps=steps, prefill_chunk_size=64)
+    assert torch.equal(chunked, dense) and paths["fixed-shape (dense fallback)"] == steps - 2
+    assert {layer.dense_from for layer in cache.layers} == {None, prompt.shape[1]}
     # eager steps (a padded batch): the same fallback, counted per step
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
