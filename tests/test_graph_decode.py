@@ -400,7 +400,8 @@ def test_quest_fixed_shape_step_with_the_device_select_keeps_the_eager_set(monke
     assert ranges and all(hi == ((75 - 1) // page_size + 3) * page_size - 1 for _, hi in ranges)  # capacity 75
 
 
-@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"residual": 8, "k_group": 4, "sink_tokens": 4}])
+@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"residual": 8, "k_group": 4, "sink_tokens": 4},
+                                     {"rescore_group": "softmax"}])
 @pytest.mark.parametrize("gqa", ["group", "head"])
 def test_self_index_fixed_shape_device_rule_keeps_the_eager_set(monkeypatch, options, gqa):
     """On CUDA self-index's fixed-shape step ranks with unsorted top-k and drops each row's surplus over its own

@@ -340,6 +340,50 @@ def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
     assert not torch.equal(lut_only, mask)  # the LUT alone is approximate
 
 
+def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_candidates(monkeypatch):
+    """rescore_group="softmax" with kv_bits=16 and every token a candidate: the second stage ranks by each query
+    head's attention summed over the group, oracle-topk's group rule, so the selection is oracle-topk's; the
+    summed-query rule ("sum") is another set here. The kernels' per-head path stacks one pass per query head and
+    gives the reference's scores."""
+    from sparsekv.selectors.base import DecodeStep
+    from sparsekv.selectors.self_index import device
+
+    gen = torch.Generator().manual_seed(13)
+    keys, values = torch.randn(1, 3, 200, 64, generator=gen), torch.randn(1, 3, 200, 64, generator=gen)
+    query = torch.randn(1, 9, 200, 64, generator=gen) * 3
+    visible = torch.ones(1, 1, 200, dtype=torch.bool)
+
+    def step_of(sel):
+        return DecodeStep(query=query[:, :, -1:], keys=keys, values=values, visible=visible,
+                          forced=torch.zeros_like(visible), budgets=torch.tensor([[20]]), layer=sel.layer,
+                          gqa="group")  # fmt: skip
+
+    def chosen(**options):
+        sel = prefilled(selector(kv_bits=16, sink_tokens=0, rescore=10, **options), keys, values, query)
+        return sel, sel.select(step_of(sel)).to_mask(200)[:, :, 0]
+
+    logits = torch.matmul(query[:, :, -1:], keys.repeat_interleave(3, dim=1).transpose(-1, -2)) * 64**-0.5
+    attention = logits.softmax(-1).view(1, 3, 3, 1, 200).sum(2)[:, :, 0]
+    exact = torch.zeros(1, 3, 200, dtype=torch.bool).scatter(-1, attention.topk(20, dim=-1).indices, True)
+    sel, mask = chosen(rescore_group="softmax")
+    assert torch.equal(mask, exact)
+    assert not torch.equal(chosen()[1], mask)
+    # a 2-bit cache: the kernels' per-head path (one op call per query head; the op runs its reference on CPU)
+    # gives the torch branch's scores
+    sel = prefilled(selector(rescore=10, rescore_group="softmax"), keys, values, query)
+    step = sel._rotated_query(step_of(sel))
+    index = torch.randperm(200, generator=gen)[:60].view(1, 1, 1, 60).expand(1, 3, 1, 60)
+    ranked = torch.rand(1, 3, 1, 60, generator=gen) > 0.2
+    reference = sel._candidate_scores(step, index, ranked=ranked)
+    calls = []
+    monkeypatch.setattr(device, "applies", lambda kv, step: True)
+    op = device.compressed_key_scores
+    monkeypatch.setattr(device, "compressed_key_scores", lambda *args: calls.append(args[0].shape) or op(*args))
+    kernels = sel._candidate_scores(step, index, ranked=ranked)
+    assert calls == [(1, 3, 1, 64)] * 3 and torch.allclose(kernels, reference, atol=1e-5)
+    assert torch.allclose(reference.sum(-1), torch.full((1, 3, 1), 3.0))  # each head's attention sums to 1
+
+
 # --------------------------------------------------------------------------------------------- value rotation
 
 
@@ -644,6 +688,9 @@ def test_config_validation():
         SparseConfig(method="self-index", options={"rescore": -2})
     with pytest.raises(ConfigError, match="sink_share"):
         SparseConfig(method="self-index", options={"sink_share": 0})
+    for bad in ("mean", 1, None):
+        with pytest.raises(ConfigError, match="rescore_group must be one of sum, softmax"):
+            SparseConfig(method="self-index", options={"rescore_group": bad})
     with pytest.raises(ConfigError, match="k_axis"):
         SparseConfig(method="self-index", options={"k_axis": "block"})
     with pytest.raises(ConfigError, match="residual"):
@@ -726,7 +773,7 @@ def test_measured_cache_memory_on_the_embedded_model(real_model):
     assert report["allocator"] is None
 
 
-@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"kv_bits": 16}])
+@pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"kv_bits": 16}, {"rescore_group": "softmax"}])
 def test_device_top_k_path_selects_what_the_sorted_rule_selects(options):
     """Uniform steps on a GPU take torch.topk (no full sort, no host sync); the chosen set is the stable-sort rule's
     (random scores: no ties at the threshold). Run here on CPU by calling the device path directly."""

@@ -50,6 +50,8 @@ from sparsekv.selectors.self_index.store import (
 )
 
 KV_BITS = (2, 4, 16)
+#: `rescore_group`'s rules (the first is the default)
+RESCORE_GROUP_RULES = ("sum", "softmax")
 
 
 @dataclass
@@ -68,6 +70,10 @@ class SelfIndexSelector(TokenSelector):
         a float64 test exact).
     rescore: candidates per budget token that the LUT passes to a second stage ranking them by q.K as attention
         reads K (sign bits x dequantized |K|, 16-bit sinks and residual block); 0 = the paper's LUT-only top-k.
+    rescore_group: how the second stage ranks a kv head's candidates for the query heads of its GQA group (gqa
+        "group"): "sum" (default) by the summed query's q.K, the sum of the heads' logits, in one pass; "softmax"
+        by each head's attention over the row's candidates, summed (oracle-topk's group rule), so that a token
+        one head attends to keeps its rank whatever the others' logits; a pass per query head.
     k_bits: bits of the |K| magnitudes (2, 3, 4; 0 = auto: 3 when kv_bits=2, else kv_bits).
     k_axis: "channel": one fp16 |K| scale per channel per block of k_group tokens (KIVI-style; K is compressed
         when its block fills, so `residual` must be a positive multiple of k_group); "token": one fp16 scale (and
@@ -122,6 +128,7 @@ class SelfIndexSelector(TokenSelector):
     residual: int = 64
     fp_dtype: str = "bfloat16"
     rescore: int = 3
+    rescore_group: str = "sum"
     k_bits: int = 0
     k_group: int = 32
     v_group: int = 64
@@ -176,6 +183,11 @@ class SelfIndexSelector(TokenSelector):
         stats_tokens = options.get("prompt_stats_tokens", 4096)
         if 0 < stats_tokens < SNAP_WINDOW:  # the sinks' voters, the prompt's last queries, must all be real tokens
             raise ConfigError(f"self-index prompt_stats_tokens must be 0 or >= {SNAP_WINDOW}, got {stats_tokens}")
+        if options.get("rescore_group", "sum") not in RESCORE_GROUP_RULES:
+            raise ConfigError(
+                f"self-index rescore_group must be one of {', '.join(RESCORE_GROUP_RULES)}, "
+                f"got {options['rescore_group']!r}"
+            )
         if options.get("fp_dtype", "bfloat16") not in FP_DTYPES:
             raise ConfigError(f"self-index fp_dtype must be one of {', '.join(FP_DTYPES)}")
         if config.top_p is not None:
@@ -416,7 +428,7 @@ class SelfIndexSelector(TokenSelector):
         in a CUDA graph."""
         if self.rescore > 0:
             first, index = scores.topk(min(scores.shape[-1], self.rescore * k_max), dim=-1, sorted=False)
-            fine = self._candidate_scores(step, index)
+            fine = self._candidate_scores(step, index, ranked=first > float("-inf"))
             second = torch.where(first >= SINK_BASE, first, fine).masked_fill(
                 first == float("-inf"), float("-inf")
             )
@@ -441,7 +453,7 @@ class SelfIndexSelector(TokenSelector):
         first, index, keep = maybe_compiled(_fixed_candidates, self.compiled_step)(
             scores, visible, forced, budgets, self.rescore, k_max, min_budget
         )
-        fine = self._candidate_scores(step, index)
+        fine = self._candidate_scores(step, index, ranked=keep)
         rerank = maybe_compiled(_fixed_rerank, self.compiled_step)
         indices, valid = rerank(first, fine, index, keep, budgets, k_max, min_budget)
         return Selection(indices=indices, valid=valid)
@@ -453,6 +465,7 @@ class SelfIndexSelector(TokenSelector):
         kv = self.kv
         return (
             (step.gqa == "group" or step.layer.group_size == 1)
+            and not self._ranks_per_head(step)
             and kv.centroids is not None
             and torch.float64 not in (kv.centroids.dtype, step.query.dtype)
             and step.query.shape[2] == 1
@@ -526,33 +539,50 @@ class SelfIndexSelector(TokenSelector):
         first, index = ranked.values[..., :c_max], ranked.indices[..., :c_max]
         ranks = torch.arange(c_max, device=scores.device)
         keep = (ranks < self.rescore * step.budgets[:, None, :, None]) & (first > float("-inf"))
-        fine = self._candidate_scores(step, index)
+        fine = self._candidate_scores(step, index, ranked=keep)
         priority = first >= SINK_BASE  # forced (+inf) and sinks
         second = torch.where(priority, first, fine).masked_fill(~keep, float("-inf"))
         return torch.full_like(scores, float("-inf")).scatter(-1, index, second)
 
-    def _candidate_scores(self, step: DecodeStep, index: torch.Tensor, summed: torch.Tensor | None = None) -> torch.Tensor:
-        """q . (K - mu) for the tokens `index` [B, S, Q, C] of each row, with the keys as the row's query reads them
-        in attention (`read_keys`: compressed tokens dequantized, sinks and the query's residual block at 16-bit).
-        The query is summed over the group for gqa="group" (exact by linearity; `summed`: already summed, by
-        `group_query`); q . mu is the same for every key of a row and is left out."""
-        if (on_kernels := device.candidate_scores(self.kv, step, index, summed)) is not None:
-            return on_kernels
+    def _ranks_per_head(self, step: DecodeStep) -> bool:
+        """The re-rank weighs each query head of a GQA group by its own attention (`rescore_group="softmax"`)."""
+        return self.rescore_group == "softmax" and step.gqa == "group" and step.layer.group_size > 1
+
+    def _candidate_scores(self, step: DecodeStep, index: torch.Tensor, summed: torch.Tensor | None = None,
+                          ranked: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The re-rank's score of the tokens `index` [B, S, Q, C] of each row, from q . (K - mu) with the keys as the
+        row's query reads them in attention (`read_keys`: compressed tokens dequantized, sinks and the query's
+        residual block at 16-bit); q . mu is the same for every key of a row and is left out. For gqa="group" the
+        query is summed over the group (exact by linearity; `summed`: already summed, by `group_query`), or with
+        `rescore_group="softmax"` each head's softmax over the row's `ranked` candidates [B, S, Q, C] is summed."""
         layer = step.layer
-        work = self.kv.mu.dtype
-        query = step.query.to(work)
-        b, _, q_len, d = query.shape
-        if step.gqa == "group" and layer.group_size > 1:
-            query = query.view(b, layer.num_kv_heads, layer.group_size, q_len, d).sum(2)
-        s, c = index.shape[1], index.shape[-1]
-        out = torch.empty(index.shape, dtype=work, device=index.device)
-        chunk = max(1, (1 << 22) // max(1, b * s * c * d))
-        all_positions = self.kv.query_positions(q_len, index.device)
-        for lo in range(0, q_len, chunk):
-            hi = min(q_len, lo + chunk)
-            keys = self.kv.read_keys(index[:, :, lo:hi], all_positions[lo:hi])  # [B, S, q, C, d]
-            out[:, :, lo:hi] = torch.einsum("bsqd,bsqcd->bsqc", query[:, :, lo:hi], keys)
-        return out.float()
+        per_head = self._ranks_per_head(step)
+        if (on_kernels := device.candidate_scores(self.kv, step, index, summed, per_head)) is not None:
+            scores = on_kernels
+        else:
+            work = self.kv.mu.dtype
+            query = step.query.to(work)
+            b, _, q_len, d = query.shape
+            if step.gqa == "group" and layer.group_size > 1:
+                query = query.view(b, layer.num_kv_heads, layer.group_size, q_len, d)
+                query = query if per_head else query.sum(2)
+            s, c = index.shape[1], index.shape[-1]
+            scores = torch.empty((*query.shape[:-2], q_len, c), dtype=work, device=index.device)
+            chunk = max(1, (1 << 22) // max(1, b * s * c * d * (layer.group_size if per_head else 1)))
+            all_positions = self.kv.query_positions(q_len, index.device)
+            for lo in range(0, q_len, chunk):
+                hi = min(q_len, lo + chunk)
+                keys = self.kv.read_keys(index[:, :, lo:hi], all_positions[lo:hi])  # [B, S, q, C, d]
+                if per_head:
+                    scores[..., lo:hi, :] = torch.einsum("bsgqd,bsqcd->bsgqc", query[..., lo:hi, :], keys)
+                else:
+                    scores[:, :, lo:hi] = torch.einsum("bsqd,bsqcd->bsqc", query[:, :, lo:hi], keys)
+        if per_head:  # [B, S, G, Q, C] logits -> the group's summed attention over the row's candidates
+            logits = scores.float() * layer.scaling
+            if ranked is not None:
+                logits = logits.masked_fill(~ranked[:, :, None], float("-inf"))
+            return torch.nan_to_num(logits.softmax(-1), nan=0.0).sum(2)
+        return scores.float()
 
     # --- attention over the gathered tokens -------------------------------------------------------------------
 
