@@ -116,9 +116,9 @@ class SelfIndexSelector(TokenSelector):
     name = "self-index"
     stores_kv = True
     fixed_shape = True
-    #: the dense fallback's default (H200, Llama-3-8B shapes, 32 layers, 2%, captured steps: 0.81x the captured
-    #: dense step at 128K cached tokens over the batch, 0.92x at 256K, 1.13x at 512K); decided before the prompt is
-    #: cached, its layers then keep 16-bit K/V (`SparseCache.settle_fallback`)
+    #: the dense fallback's default (H200, Llama-3-8B shapes, 32 layers, 2%, captured steps: 0.81-0.85x the
+    #: captured dense step at 128K cached tokens over the batch, 0.92x at 256K, 1.09x at 384K, 1.09-1.14x at 512K);
+    #: decided before the prompt is cached, its layers then keep 16-bit K/V (`SparseCache.settle_fallback`)
     dense_below = 393_216
     #: a 2-bit cache cannot reproduce dense logits tightly (kv_bits=16 can)
     lossy: ClassVar[bool] = True
