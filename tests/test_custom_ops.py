@@ -213,9 +213,11 @@ def _compressed_kv_fields(gen, channel_axis: bool) -> tuple:
 def _compressed_key_scores():
     gen = _gen(6)
     query = torch.randn(2, 2, 3, 40, generator=gen)
+    heads = torch.randn(2, 2, 3, 3, 40, generator=gen)  # each query head of a kv head's group
     index = torch.randint(0, 37, (2, 2, 3, 11), generator=gen)
     tail_from = torch.tensor([17, 18, 37])
-    return [(query, index, tail_from, *_compressed_kv_fields(gen, channel)) for channel in (False, True)]
+    return [(q, index, tail_from, *_compressed_kv_fields(gen, channel)) for channel in (False, True)
+            for q in (query, heads)]  # fmt: skip
 
 
 def _compressed_attention():

@@ -416,7 +416,7 @@ def test_self_index_fixed_shape_device_rule_keeps_the_eager_set(monkeypatch, opt
 
 
 @pytest.mark.parametrize("options", [{}, {"rescore": 0}, {"residual": 8, "k_group": 4, "sink_tokens": 4},
-                                     {"sink_tokens": 8, "sink_share": 0.5}])
+                                     {"sink_tokens": 8, "sink_share": 0.5}, {"rescore_group": "softmax"}])
 @pytest.mark.parametrize("gqa", ["group", "head"])
 @pytest.mark.parametrize("held", [False, True])
 def test_self_index_fused_first_stage_keeps_the_eager_set(monkeypatch, options, gqa, held):

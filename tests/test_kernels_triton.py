@@ -748,6 +748,11 @@ def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail,
     got = ck.compressed_key_scores_triton(qsum, kv, index, tail_from)
     ref = compressed_key_scores_reference(qsum, kv, index, tail_from)
     torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)
+    heads = torch.randn(b, h, g, q, d, generator=gen).to(DEV)  # each query head of a group, the keys read once
+    got = ck.compressed_key_scores_triton(heads, kv, index, tail_from)
+    ref = compressed_key_scores_reference(heads, kv, index, tail_from)
+    assert got.shape == (b, h, g, q, 45)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)
 
     query = torch.randn(b, h * g, q, d, generator=gen).to(DEV)
     valid = (torch.rand(b, h, q, 45, generator=gen) > 0.2).to(DEV)

@@ -343,8 +343,8 @@ def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
 def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_candidates(monkeypatch):
     """rescore_group="softmax" with kv_bits=16 and every token a candidate: the second stage ranks by each query
     head's attention summed over the group, oracle-topk's group rule, so the selection is oracle-topk's; the
-    summed-query rule ("sum") is another set here. The kernels' per-head path stacks one pass per query head and
-    gives the reference's scores."""
+    summed-query rule ("sum") is another set here. The kernels' per-head path (one op call that reads each key
+    once for the group's heads) gives the torch branch's scores."""
     from sparsekv.selectors.base import DecodeStep
     from sparsekv.selectors.self_index import device
 
@@ -368,8 +368,8 @@ def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_cand
     sel, mask = chosen(rescore_group="softmax")
     assert torch.equal(mask, exact)
     assert not torch.equal(chosen()[1], mask)
-    # a 2-bit cache: the kernels' per-head path (one op call per query head; the op runs its reference on CPU)
-    # gives the torch branch's scores
+    # a 2-bit cache: the kernels' per-head path (one op call for the group's heads; the op runs its reference on
+    # CPU) gives the torch branch's scores
     sel = prefilled(selector(rescore=10, rescore_group="softmax"), keys, values, query)
     step = sel._rotated_query(step_of(sel))
     index = torch.randperm(200, generator=gen)[:60].view(1, 1, 1, 60).expand(1, 3, 1, 60)
@@ -380,7 +380,7 @@ def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_cand
     op = device.compressed_key_scores
     monkeypatch.setattr(device, "compressed_key_scores", lambda *args: calls.append(args[0].shape) or op(*args))
     kernels = sel._candidate_scores(step, index, ranked=ranked)
-    assert calls == [(1, 3, 1, 64)] * 3 and torch.allclose(kernels, reference, atol=1e-5)
+    assert calls == [(1, 3, 3, 1, 64)] and torch.allclose(kernels, reference, atol=1e-5)
     assert torch.allclose(reference.sum(-1), torch.full((1, 3, 1), 3.0))  # each head's attention sums to 1
 
 

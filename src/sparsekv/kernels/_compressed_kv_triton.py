@@ -186,12 +186,12 @@ def _key_scores_kernel(
     q_ptr, idx_ptr, out_ptr, sign_ptr, mag_ptr, scale_ptr, zero_ptr, alpha_ptr, mu_ptr,
     sinkpos_ptr, sinkk_ptr, tailk_ptr, tail_from_ptr,
     H, Q, C, scale_offset, scale_rows, num_sinks, tail_first, tail_len,
-    sqb, sqh, sqq, sib, sih, siq, sob, soh, soq,
+    sqb, sqh, sqg, sqq, sib, sih, siq, sob, soh, sog, soq,
     s_sign_b, s_sign_h, s_sign, s_mag_b, s_mag_h, s_mag, s_sc_b, s_sc_h, s_sc, s_al_b, s_al_h,
     s_sp_b, s_sp_h, s_sk_b, s_sk_h, s_sk, s_tk_b, s_tk_h, s_tk,
     D: tl.constexpr, DP: tl.constexpr, KBITS: tl.constexpr, MIDRISE: tl.constexpr, HAS_ZERO: tl.constexpr,
     SCALE_TOKENS: tl.constexpr, CH_PER_SCALE: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr,
-    HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr,
 ):  # fmt: skip
     cb, r = chunk_and_row()
     qi = r % Q
@@ -203,7 +203,6 @@ def _key_scores_kernel(
     ok = offs < C
     b64, h64, q64 = b.to(tl.int64), h.to(tl.int64), qi.to(tl.int64)
     idx = tl.load(idx_ptr + b64 * sib + h64 * sih + q64 * siq + offs, mask=ok, other=0).to(tl.int64)
-    query = tl.load(q_ptr + b64 * sqb + h64 * sqh + q64 * sqq + c, mask=cmask, other=0.0).to(tl.float32)
     alpha = tl.load(alpha_ptr + b64 * s_al_b + h64 * s_al_h + c, mask=cmask, other=0.0)
     keys = _keys_any(
         sign_ptr + b64 * s_sign_b + h64 * s_sign_h, mag_ptr + b64 * s_mag_b + h64 * s_mag_h,
@@ -220,8 +219,11 @@ def _key_scores_kernel(
                                 HAS_TAIL)  # fmt: skip
         keys = _override(keys + mu[None, :], m2, c, sink, tail, sinkk_ptr + b64 * s_sk_b + h64 * s_sk_h, s_sk,
                          tailk_ptr + b64 * s_tk_b + h64 * s_tk_h, s_tk, HAS_SINKS, HAS_TAIL) - mu[None, :]  # fmt: skip
-    score = tl.sum(keys * query[None, :], axis=1)
-    tl.store(out_ptr + b64 * sob + h64 * soh + q64 * soq + offs, score, mask=ok)
+    # the keys are dequantized once for the G queries of the row (the query heads of a GQA group, or its sum)
+    for g in tl.static_range(G):
+        query = tl.load(q_ptr + b64 * sqb + h64 * sqh + g * sqg + q64 * sqq + c, mask=cmask, other=0.0)
+        score = tl.sum(keys * query.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptr + b64 * sob + h64 * soh + g * sog + q64 * soq + offs, score, mask=ok)
 
 
 def _key_layout(kv):
@@ -265,9 +267,17 @@ def _copies(kv, fallback, tail_from):
 def compressed_key_scores_triton(query, kv, index, tail_from):
     _check_rows(kv)
     b, h, q, cnum = index.shape
-    out = torch.empty(b, h, q, cnum, dtype=torch.float32, device=index.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
+    if query.dim() == 5:  # each query head of a kv head's group: [B, H, G, Q, d] -> [B, H, G, Q, C]
+        g = query.shape[2]
+        out = torch.empty(b, h, g, q, cnum, dtype=torch.float32, device=index.device)
+        q_strides, out_strides = query.stride()[:4], out.stride()[:4]
+    else:
+        g = 1
+        out = torch.empty(b, h, q, cnum, dtype=torch.float32, device=index.device)
+        (sqb, sqh, sqq), (sob, soh, soq) = query.stride()[:3], out.stride()[:3]
+        q_strides, out_strides = (sqb, sqh, 0, sqq), (sob, soh, 0, soq)
     block = KEYS_TUNE["block"]
     zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
     cp = _copies(kv, query, tail_from)
@@ -275,10 +285,10 @@ def compressed_key_scores_triton(query, kv, index, tail_from):
         query, index, out, kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu,
         cp["sinkpos"], cp["sink_k"], cp["tail_k"], cp["tail_from"],
         h, q, cnum, kv.k_scale_offset, kv.k_scale.shape[2], cp["num_sinks"], kv.tail_first, cp["tail_len"],
-        *query.stride()[:3], *index.stride()[:3], *out.stride()[:3],
+        *q_strides, *index.stride()[:3], *out_strides,
         *kv.sign_bits.stride()[:3], *kv.k_mag.stride()[:3], *kv.k_scale.stride()[:3], *kv.alpha.stride()[:2],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
-        BLOCK=block, num_warps=KEYS_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
+        BLOCK=block, G=g, num_warps=KEYS_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
     return out
 

@@ -77,12 +77,14 @@ def centred_keys_reference(kv: CompressedKV, index: torch.Tensor) -> torch.Tenso
 def compressed_key_scores_reference(
     query: torch.Tensor, kv: CompressedKV, index: torch.Tensor, tail_from: torch.Tensor
 ) -> torch.Tensor:
-    """query [B, H, Q, d] (one query per kv head, e.g. the GQA group's sum), index [B, H, Q, C], tail_from [Q] ->
-    float32 [B, H, Q, C] = query . (K - mu) of the rows as attention reads them (q . mu is the same for every key
-    of a row)."""
+    """query [B, H, Q, d] (one query per kv head, e.g. the GQA group's sum) or [B, H, G, Q, d] (each of the G
+    query heads of a kv head's group), index [B, H, Q, C], tail_from [Q] -> float32 [B, H, Q, C] (or
+    [B, H, G, Q, C]) = query . (K - mu) of the rows as attention reads them (q . mu is the same for every key of a
+    row)."""
     keys = _with_copies(centred_keys_reference(kv, index) + kv.mu[:, :, None], kv, index, tail_from,
                         "sink_keys", "tail_keys")  # fmt: skip
-    return torch.einsum("bhqd,bhqcd->bhqc", query.float(), keys - kv.mu[:, :, None])
+    pattern = "bhgqd,bhqcd->bhgqc" if query.dim() == 5 else "bhqd,bhqcd->bhqc"
+    return torch.einsum(pattern, query.float(), keys - kv.mu[:, :, None]).contiguous()
 
 
 def compressed_key_scores(
@@ -126,7 +128,8 @@ def _compressed_key_scores_cuda(query, index, tail_from, *kv_fields):
 
 @_compressed_key_scores_op.register_fake
 def _compressed_key_scores_fake(query, index, tail_from, *kv_fields):
-    return query.new_empty(index.shape, dtype=torch.float32)
+    shape = index.shape if query.dim() == 4 else (*index.shape[:2], query.shape[2], *index.shape[2:])
+    return query.new_empty(shape, dtype=torch.float32)
 
 
 def _with_copies(rows, kv: CompressedKV, index, tail_from, copy_name: str, tail_name: str):

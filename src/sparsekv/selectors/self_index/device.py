@@ -48,17 +48,16 @@ def candidate_scores(
 ) -> torch.Tensor | None:
     """q . (K - mu) of `SelfIndexSelector._candidate_scores` on the kernels, or None where they do not apply:
     [B, Hkv, Q, C] for the group-summed query (`summed`: the step's `kernels.lut_score.group_query`, where the
-    caller has it already), or with `per_head` [B, Hkv, G, Q, C], one pass per query head of each group."""
+    caller has it already), or with `per_head` [B, Hkv, G, Q, C], each query head of each group (one pass: a
+    key is read once for the G heads)."""
     if not applies(kv, step):
         return None
-    view, tail_from = kv.kernel_view(), _tail_from(kv, step, index.device)
     if per_head:
         b, hq, q_len, d = step.query.shape
-        heads = step.query.view(b, kv.num_kv_heads, hq // kv.num_kv_heads, q_len, d)
-        return torch.stack([compressed_key_scores(heads[:, :, g], view, index, tail_from)
-                            for g in range(heads.shape[2])], dim=2)  # fmt: skip
-    query = group_query(step.query, kv.num_kv_heads) if summed is None else summed
-    return compressed_key_scores(query, view, index, tail_from)
+        query = step.query.view(b, kv.num_kv_heads, hq // kv.num_kv_heads, q_len, d)
+    else:
+        query = group_query(step.query, kv.num_kv_heads) if summed is None else summed
+    return compressed_key_scores(query, kv.kernel_view(), index, _tail_from(kv, step, index.device))
 
 
 def attend(

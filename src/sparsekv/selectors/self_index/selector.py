@@ -73,7 +73,7 @@ class SelfIndexSelector(TokenSelector):
     rescore_group: how the second stage ranks a kv head's candidates for the query heads of its GQA group (gqa
         "group"): "sum" (default) by the summed query's q.K, the sum of the heads' logits, in one pass; "softmax"
         by each head's attention over the row's candidates, summed (oracle-topk's group rule), so that a token
-        one head attends to keeps its rank whatever the others' logits; a pass per query head.
+        one head attends to keeps its rank whatever the others' logits (each candidate key is still read once).
     k_bits: bits of the |K| magnitudes (2, 3, 4; 0 = auto: 3 when kv_bits=2, else kv_bits).
     k_axis: "channel": one fp16 |K| scale per channel per block of k_group tokens (KIVI-style; K is compressed
         when its block fills, so `residual` must be a positive multiple of k_group); "token": one fp16 scale (and
@@ -465,7 +465,6 @@ class SelfIndexSelector(TokenSelector):
         kv = self.kv
         return (
             (step.gqa == "group" or step.layer.group_size == 1)
-            and not self._ranks_per_head(step)
             and kv.centroids is not None
             and torch.float64 not in (kv.centroids.dtype, step.query.dtype)
             and step.query.shape[2] == 1
@@ -507,7 +506,7 @@ class SelfIndexSelector(TokenSelector):
             if self.rescore == 0:
                 return Selection(indices=picked.gather(-1, pick), valid=keep)
             picked, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
-        fine = self._candidate_scores(step, picked, summed)
+        fine = self._candidate_scores(step, picked, summed, ranked=keep)
         second = maybe_compiled(_rerank_scores, self.compiled_step)(ranks, fine, keep)
         pick, valid = select_within(second, budgets, k_max)
         return Selection(indices=picked.gather(-1, pick), valid=valid, exact_budgets=held)
