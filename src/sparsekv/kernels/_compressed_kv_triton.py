@@ -269,28 +269,23 @@ def compressed_key_scores_triton(query, kv, index, tail_from):
     b, h, q, cnum = index.shape
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if query.dim() == 5:  # each query head of a kv head's group: [B, H, G, Q, d] -> [B, H, G, Q, C]
-        g = query.shape[2]
-        out = torch.empty(b, h, g, q, cnum, dtype=torch.float32, device=index.device)
-        q_strides, out_strides = query.stride()[:4], out.stride()[:4]
-    else:
-        g = 1
-        out = torch.empty(b, h, q, cnum, dtype=torch.float32, device=index.device)
-        (sqb, sqh, sqq), (sob, soh, soq) = query.stride()[:3], out.stride()[:3]
-        q_strides, out_strides = (sqb, sqh, 0, sqq), (sob, soh, 0, soq)
+    # [B, H, G, Q, d]: each query head of a kv head's group; a [B, H, Q, d] query is the group of one
+    heads = query if query.dim() == 5 else query.unsqueeze(2)
+    g = heads.shape[2]
+    out = torch.empty(b, h, g, q, cnum, dtype=torch.float32, device=index.device)
     block = KEYS_TUNE["block"]
     zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
     cp = _copies(kv, query, tail_from)
     _key_scores_kernel[row_grid("compressed_key_scores", index.shape, triton.cdiv(cnum, block), b * h * q)](
-        query, index, out, kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu,
+        heads, index, out, kv.sign_bits, kv.k_mag, kv.k_scale, zero, kv.alpha, kv.mu,
         cp["sinkpos"], cp["sink_k"], cp["tail_k"], cp["tail_from"],
         h, q, cnum, kv.k_scale_offset, kv.k_scale.shape[2], cp["num_sinks"], kv.tail_first, cp["tail_len"],
-        *q_strides, *index.stride()[:3], *out_strides,
+        *heads.stride()[:4], *index.stride()[:3], *out.stride()[:4],
         *kv.sign_bits.stride()[:3], *kv.k_mag.stride()[:3], *kv.k_scale.stride()[:3], *kv.alpha.stride()[:2],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
         BLOCK=block, G=g, num_warps=KEYS_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
-    return out
+    return out if query.dim() == 5 else out.squeeze(2)
 
 
 @triton.jit
