@@ -559,6 +559,22 @@ def test_bench_rows_keep_the_dense_layers_they_are_given():
         config_for("lsh", 0.02, None, dense_layers=(-1,))
 
 
+def test_bench_generate_gives_each_row_its_methods_options():
+    from sparsekv.bench.generate import config_for, run_generate
+    from sparsekv.config import ConfigError
+    from sparsekv.registry import options_by_method
+
+    options = options_by_method(["self-index", "lsh", "dense"], {"self-index:rescore_group": "softmax", "bits": 256})
+    assert options == {"self-index": {"rescore_group": "softmax"}, "lsh": {"bits": 256}, "dense": {}}
+    assert config_for("self-index@compile", 0.02, None, options=options["self-index"]).options == {
+        "rescore_group": "softmax"}  # fmt: skip
+    # refused before any model is built: a bad value, and an option none of the rows' methods has
+    with pytest.raises(ConfigError, match="rescore_group"):
+        run_generate(rows=("dense", "self-index"), options={"rescore_group": "max"})
+    with pytest.raises(ConfigError, match="none of dense, lsh has it"):
+        run_generate(rows=("hf-dense", "dense", "lsh@compile"), options={"rescore": 8})
+
+
 def test_bench_generate_kernel_profile_sums_and_ranks_a_steps_kernels():
     from types import SimpleNamespace
 

@@ -207,11 +207,23 @@ def test_run_compare_runs_dense_once_reports_missing_and_survives_failures():
         return {"ppl": 10.0 if config.method == "dense" else 12.0, "avg_budget_tokens": 5.0}
 
     result = run_compare("ppl", run, ["dense", "streaming", "not-a-method"], [0.02, 0.1],
-                         options={"sink_tokens": 2, "oracle-topk:bogus": 1})  # fmt: skip
+                         options={"sink_tokens": 2, "not-a-method:bogus": 1})  # fmt: skip
     assert calls == ["dense", "streaming@0.02 sink_tokens=2", "streaming@0.1 sink_tokens=2"]
     assert result.missing == ["not-a-method"]
     errors = [r for r in result.rows if r["error"]]
     assert len(errors) == 1 and errors[0]["error"] == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"oracle-topk:rescore": 1}, "names 'oracle-topk', which is not among the methods run"),
+    ({"rescore": 8}, "option 'rescore': none of dense, streaming has it"),
+])  # fmt: skip
+def test_run_compare_refuses_an_option_no_method_of_the_run_takes(options, message):
+    """An option that would apply to nothing is a typo or a wrong method list: one error before any cell runs."""
+    from sparsekv.eval.compare import run_compare
+
+    with pytest.raises(ConfigError, match=message):
+        run_compare("ppl", lambda config: pytest.fail("ran a cell"), ["dense", "streaming"], [0.1], options=options)
 
 
 def test_run_compare_with_no_known_method_is_an_error():

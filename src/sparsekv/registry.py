@@ -60,3 +60,26 @@ def get_top_p_pruner() -> type:
 def method_options(name: str) -> dict[str, dataclasses.Field]:
     """The options a method accepts (its dataclass fields beyond the shared ones: `TokenSelector.option_fields`)."""
     return get_method_class(name).option_fields()
+
+
+def options_by_method(methods: list[str] | tuple[str, ...], items: dict) -> dict[str, dict]:
+    """Each of `methods`' options from one set of `--option`s: an unscoped key ('bits') goes to every method that
+    has that option, 'method:key' only to that method (and wins). A key no method of the run takes, or a scope
+    naming a method not in the run, is a ConfigError, never silently dropped."""
+    shared, scoped = {}, {}
+    for key, value in items.items():
+        method, sep, name = key.partition(":")
+        if sep:
+            if method not in methods:
+                raise ConfigError(f"option {key!r} names {method!r}, which is not among the methods run "
+                                  f"({', '.join(methods)})")  # fmt: skip
+            scoped.setdefault(method, {})[name] = value
+        else:
+            shared[key] = value
+    accepted = {method: method_options(method) for method in dict.fromkeys(methods)}
+    for key in shared:
+        if not any(key in fields for fields in accepted.values()):
+            raise ConfigError(f"option {key!r}: none of {', '.join(accepted)} has it (`sparsekv methods` lists "
+                              "each method's options)")  # fmt: skip
+    return {method: {k: v for k, v in shared.items() if k in fields} | scoped.get(method, {})
+            for method, fields in accepted.items()}  # fmt: skip

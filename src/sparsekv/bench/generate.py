@@ -146,9 +146,9 @@ def kernel_profile(events, replays: int, top: int) -> dict:
 
 
 def config_for(row: str, budget: float, top_p: float | None, dense_below: int | None = None,
-               dense_layers: tuple[int, ...] | None = None) -> SparseConfig | None:  # fmt: skip
+               dense_layers: tuple[int, ...] | None = None, options: dict | None = None) -> SparseConfig | None:  # fmt: skip
     """The row's SparseConfig (None for the HF rows). dense_layers: the layers a method keeps dense (None: the
-    config's default, layers 0 and 1)."""
+    config's default, layers 0 and 1). options: the row's method options (`registry.options_by_method`)."""
     if row in HF_ROWS:
         return None
     method, _, own_budget = parse_row(row)
@@ -156,13 +156,14 @@ def config_for(row: str, budget: float, top_p: float | None, dense_below: int | 
         return SparseConfig(method=method)
     budget = own_budget if own_budget is not None else budget
     layers = {} if dense_layers is None else {"dense_layers": tuple(dense_layers)}
-    return SparseConfig(method=method, budget=budget, top_p=top_p, dense_below=dense_below, **layers)
+    return SparseConfig(method=method, budget=budget, top_p=top_p, dense_below=dense_below, options=options or {},
+                        **layers)  # fmt: skip
 
 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
                   warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None,
                   prefill: str = "model", seed: int = 0, profile_step: int = 0,
-                  dense_layers: tuple[int, ...] | None = None) -> dict:  # fmt: skip
+                  dense_layers: tuple[int, ...] | None = None, options: dict | None = None) -> dict:  # fmt: skip
     """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
     and (methods) the tokens attended per step.
 
@@ -175,7 +176,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     import sparsekv
 
     if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
-        return _time_lossless(model, ids, row, budget=budget, new_tokens=new_tokens, warmup=warmup,
+        return _time_lossless(model, ids, row, budget=budget, options=options, new_tokens=new_tokens, warmup=warmup,
                               prefill_chunk_size=prefill_chunk_size)  # fmt: skip
     device = ids.device
     steps = new_tokens + warmup + 1
@@ -193,7 +194,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
               "do_sample": False, "streamer": clock, "prefill_chunk_size": prefill_chunk_size, "pad_token_id": 0}
     if row == "hf-static-compile":
         kwargs["cache_implementation"] = "static"
-    config = config_for(row, budget, top_p, dense_below, dense_layers)
+    config = config_for(row, budget, top_p, dense_below, dense_layers, options)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -246,8 +247,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     return result
 
 
-def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tokens: int, warmup: int,
-                   prefill_chunk_size: int | None) -> dict:  # fmt: skip
+def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, options: dict | None, new_tokens: int,
+                   warmup: int, prefill_chunk_size: int | None) -> dict:  # fmt: skip
     """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, each row at its own pace; the rounds'
     timeline (`DraftCounts.timeline`) gives TPOT as the seconds per token of a row over the rounds after the first
     `warmup` tokens of a row and while every row is still decoding (the first round runs eagerly, the next one
@@ -257,7 +258,7 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, new_tok
     if prefill_chunk_size is not None:
         raise ConfigError("a @lossless row prefills in one forward: drop --prefill-chunk-size")
     device, batch = ids.device, ids.shape[0]
-    config = config_for(row, budget, None)
+    config = config_for(row, budget, None, options=options)
     compile_step = parse_row(row)[1] == LOSSLESS_COMPILE_SUFFIX
     result: dict = {"row": row}
     clock = _TokenClock(device)
@@ -334,6 +335,7 @@ def run_generate(
     prefill: str = "model",
     profile_step: int = 0,
     dense_layers: tuple[int, ...] | None = None,
+    options: dict | None = None,
     progress=None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
@@ -352,10 +354,13 @@ def run_generate(
 
     dense_layers: the layers the methods keep dense (None: the config's default, layers 0 and 1).
 
+    options: method options, 'key' for every row's method that has it, 'method:key' for that method's rows
+    (`registry.options_by_method`).
+
     progress: called with a line of text as the model is ready and as each row ends (a long run shows its way)."""
     from sparsekv.bench.e2e import build_model, check_fits
     from sparsekv.bench.e2e_model import tensor_parallel_model
-    from sparsekv.registry import get_method_class
+    from sparsekv.registry import get_method_class, options_by_method
 
     for what, value, least in (("context", context, 2), ("batch", batch, 1), ("new_tokens", new_tokens, 1),
                                ("warmup", warmup, 0), ("rounds", rounds, 1), ("tp", tp, 1),
@@ -365,8 +370,11 @@ def run_generate(
     for row in rows:
         if row not in HF_ROWS:
             get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
-            # bad budget / top_p / dense layers for a method: its ConfigError, before the model
-            config_for(row, budget, top_p, dense_below, dense_layers)
+    options_of = options_by_method([method_of(row) for row in rows if row not in HF_ROWS], options or {})
+    for row in rows:
+        if row not in HF_ROWS:
+            # bad budget / top_p / dense layers / options for a method: its ConfigError, before the model
+            config_for(row, budget, top_p, dense_below, dense_layers, options_of[method_of(row)])
     check_prefill(prefill, rows, model=model, prefill_chunk_size=prefill_chunk_size)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -398,7 +406,8 @@ def run_generate(
         for row in rows:
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
                                   prefill_chunk_size=prefill_chunk_size, dense_below=dense_below, prefill=prefill,
-                                  seed=seed, profile_step=profile_step, dense_layers=dense_layers)  # fmt: skip
+                                  seed=seed, profile_step=profile_step, dense_layers=dense_layers,
+                                  options=options_of.get(method_of(row)))  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
             say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
@@ -414,6 +423,7 @@ def run_generate(
         "top_p": top_p,
         "dense_below": dense_below,
         "dense_layers": dense_layers,
+        "options": options or {},
         "new_tokens": new_tokens,
         "warmup": warmup,
         "prefill_chunk_size": prefill_chunk_size,

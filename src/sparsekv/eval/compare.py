@@ -13,12 +13,11 @@ from __future__ import annotations
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.eval.common import CellNotCached, Progress, describe
 from sparsekv.eval.distributed import SINGLE, Shard
-from sparsekv.registry import available_methods, get_method_class, method_options
+from sparsekv.registry import available_methods, get_method_class, options_by_method
 
 NOT_COMPUTED = "not computed yet"
 
@@ -38,26 +37,6 @@ TASK_SPECS = {
     "iou": TaskSpec("mean_iou", "IoU vs oracle top-k", False, "{:.3f}"),
     "fidelity": TaskSpec("rougeL", "Rouge-L F vs dense output", False, "{:.3f}"),
 }
-
-
-def split_options(items: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """{'bits': 256, 'lsh:bits': 512} -> ({'bits': 256}, {'lsh': {'bits': 512}}): unscoped keys go to every
-    method that has that option, 'method:key' only to that method (and wins)."""
-    shared, scoped = {}, {}
-    for key, value in items.items():
-        method, sep, name = key.partition(":")
-        if sep:
-            scoped.setdefault(method, {})[name] = value
-        else:
-            shared[key] = value
-    return shared, scoped
-
-
-def method_config(method: str, budget: float, base: dict, shared: dict, scoped: dict) -> SparseConfig:
-    accepted = method_options(method)
-    options = {k: v for k, v in shared.items() if k in accepted}
-    options.update(scoped.get(method, {}))
-    return SparseConfig(method=method, budget=budget, options=options, **base)
 
 
 @dataclass
@@ -98,7 +77,9 @@ def run_compare(
     if not present:  # nothing would run: an empty table is not a result
         raise ConfigError(f"no method to compare: {', '.join(missing)} not registered; known: "
                           f"{', '.join(sorted(known))}")  # fmt: skip
-    shared, scoped = split_options(options or {})
+    # options scoped to a method this build lacks go with it (reported as missing); the rest must each apply
+    options_of = options_by_method(present, {k: v for k, v in (options or {}).items()
+                                             if k.partition(":")[0] not in missing})  # fmt: skip
     base = dict(base or {})
     spec = TASK_SPECS[task]
     result = CompareResult(task=task, methods=present, budgets=list(budgets), missing=missing)
@@ -114,7 +95,8 @@ def run_compare(
             row = {"method": method, "budget": budget, "value": None, "avg_budget_tokens": None, "error": None}
             payload = None
             try:
-                config = method_config(method, budgets[0] if budget is None else budget, base, shared, scoped)
+                config = SparseConfig(method=method, budget=budgets[0] if budget is None else budget,
+                                      options=options_of[method], **base)
                 progress.label(describe(config))
                 payload = run_task(config)
                 row["value"] = payload.get(spec.metric)
