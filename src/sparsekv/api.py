@@ -129,7 +129,7 @@ def enable(
     lossless: `model.generate()` decodes by self-speculation (`sparsekv.lossless`): `draft_tokens` sparse steps
     propose, one dense forward verifies, so the output is the dense model's greedy output token for token.
     draft_tokens: an int, or "auto" (default): the rounds replayed as CUDA graphs choose 0, 1, 2, 4 or 8 drafts
-    each from the measured acceptance, the timed draft step and each count's timed verification
+    each from the measured acceptance and the timed draft and verification steps
     (`sparsekv.lossless.best_draft_count`: 0 is a plain dense step, when drafting does not pay); eager rounds draft
     4. With compile_step the rounds' draft step and verifications run the compiled forward.
     It takes input_ids, attention_mask (left padding), max_new_tokens, eos/pad ids and a streamer, greedy only, and

@@ -47,8 +47,6 @@ class DraftCounts:
     verify_steps: int = 0
     #: fixed-shape rounds per number of drafts (`draft_tokens="auto"` chooses it round by round)
     drafts_per_round: dict[int, int] = field(default_factory=dict)
-    #: the timed verifications per number of drafts: (seconds, count); a verification of more tokens costs more
-    verify_timed: dict[int, tuple[float, int]] = field(default_factory=dict)
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -63,20 +61,6 @@ class DraftCounts:
         if not (self.draft_steps and self.verify_steps and self.verify_seconds > 0):
             return None
         return (self.draft_seconds / self.draft_steps) / (self.verify_seconds / self.verify_steps)
-
-    @property
-    def draft_step_seconds(self) -> float | None:
-        return self.draft_seconds / self.draft_steps if self.draft_steps else None
-
-    def time_verification(self, gamma: int, seconds: float) -> None:
-        self.verify_seconds += seconds
-        self.verify_steps += 1
-        total, count = self.verify_timed.get(gamma, (0.0, 0))
-        self.verify_timed[gamma] = (total + seconds, count + 1)
-
-    def verification_seconds(self) -> dict[int, float]:
-        """The mean timed verification per number of drafts."""
-        return {gamma: total / count for gamma, (total, count) in self.verify_timed.items()}
 
     def count(self, path: str) -> None:
         self.paths[path] = self.paths.get(path, 0) + 1
@@ -252,36 +236,19 @@ AUTO_DRAFT_CHOICES = (1, 2, 4, 8)
 AUTO_PROBE_EVERY = 16
 
 
-def best_draft_count(acceptance: float, draft_step: float, verification: dict[int, float], most: int) -> int:
+def best_draft_count(acceptance: float, draft_cost: float, most: int) -> int:
     """The number of drafts (0 or one of AUTO_DRAFT_CHOICES up to `most`) that gives a row the most tokens per
     second: with each draft accepted with probability `acceptance` (given the ones before it), a round of g drafts
     yields (1 - a^(g+1)) / (1 - a) tokens (the accepted drafts and the verification's own token) and costs g draft
-    steps of `draft_step` seconds and one verification of g + 1 tokens (`verification_estimate` of the measured
-    `verification` seconds per draft count). 0 is a plain dense step (one token a verification): drafting no
-    longer pays."""
-    best, best_rate = 0, 1.0 / verification_estimate(verification, 0)
+    steps and one verification, `draft_cost` being a draft step's time over a verification's. 0 is a plain dense
+    step (one token a verification): drafting no longer pays."""
+    best, best_rate = 0, 1.0
     for drafts in (d for d in AUTO_DRAFT_CHOICES if d <= most):
         tokens = drafts + 1.0 if acceptance >= 1 else (1 - acceptance ** (drafts + 1)) / (1 - acceptance)
-        rate = tokens / (drafts * draft_step + verification_estimate(verification, drafts))
+        rate = tokens / (drafts * draft_cost + 1)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = drafts, rate
     return best
-
-
-def verification_estimate(measured: dict[int, float], drafts: int) -> float:
-    """Seconds of a verification of `drafts` drafts: the measured mean, else linear in the tokens verified through
-    the two nearest measured counts (never falling with more tokens; below the fewest measured, that one's time),
-    else (one count measured) that one's time."""
-    if drafts in measured:
-        return measured[drafts]
-    known = sorted(measured)
-    below, above = [g for g in known if g < drafts], [g for g in known if g > drafts]
-    if not below or len(known) == 1:
-        return measured[known[0]] if not below else measured[below[-1]]
-    lo, hi = (below[-1], above[0]) if above else (below[-2], below[-1])
-    slope = max(0.0, (measured[hi] - measured[lo]) / (hi - lo))
-    anchor = lo if above else hi
-    return measured[anchor] + slope * (drafts - anchor)
 
 
 def lossless_refusal(name: str) -> str | None:
@@ -410,16 +377,12 @@ class CapturedRounds:
 
     def _drafts(self, counts: DraftCounts) -> int:
         """This round's number of drafts: `draft_tokens`, or ("auto") `best_draft_count` of what was measured."""
-        acceptance, draft_step = counts.draft_acceptance, counts.draft_step_seconds
+        acceptance, cost = counts.draft_acceptance, counts.draft_cost
         if not self.auto:
             return self.most
-        if acceptance is None or draft_step is None or not counts.verify_timed:
+        if acceptance is None or cost is None:
             return min(AUTO_EAGER_DRAFTS, self.most)
-        if 0 not in counts.verify_timed:
-            # a plain dense step is cheaper than a verification of several tokens: time one before comparing
-            # (its first round captures its graph, the next one is timed)
-            return 0
-        drafts = best_draft_count(acceptance, draft_step, counts.verification_seconds(), self.most)
+        drafts = best_draft_count(acceptance, cost, self.most)
         if drafts == 0:
             self.dense_rounds += 1
             if self.dense_rounds % AUTO_PROBE_EVERY == 0:
@@ -514,7 +477,8 @@ class CapturedRounds:
             if gamma:
                 counts.draft_seconds += drafting
                 counts.draft_steps += gamma
-            counts.time_verification(gamma, verifying)
+            counts.verify_seconds += verifying
+            counts.verify_steps += 1
         take(out, proposed[:, 1:], agree, after, room)
 
 
