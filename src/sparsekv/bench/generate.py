@@ -360,16 +360,14 @@ def run_generate(
     progress: called with a line of text as the model is ready and as each row ends (a long run shows its way)."""
     from sparsekv.bench.e2e import build_model, check_fits
     from sparsekv.bench.e2e_model import tensor_parallel_model
-    from sparsekv.registry import get_method_class, options_by_method
+    from sparsekv.registry import options_by_method
 
     for what, value, least in (("context", context, 2), ("batch", batch, 1), ("new_tokens", new_tokens, 1),
                                ("warmup", warmup, 0), ("rounds", rounds, 1), ("tp", tp, 1),
                                ("profile_step", profile_step, 0)):  # fmt: skip
         if value < least:
             raise ConfigError(f"{what} must be >= {least}, got {value}")
-    for row in rows:
-        if row not in HF_ROWS:
-            get_method_class(method_of(row))  # unknown names: one ConfigError listing the methods
+    # unknown method names: one ConfigError listing the methods (`get_method_class`, through the options' rule)
     options_of = options_by_method([method_of(row) for row in rows if row not in HF_ROWS], options or {})
     for row in rows:
         if row not in HF_ROWS:
