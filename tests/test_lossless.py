@@ -100,13 +100,21 @@ def test_lossless_refuses_methods_that_cannot_be_verified(real_model, method):
         sparsekv.generate(model, tokenizer, "hello", SparseConfig(method=method), max_new_tokens=4, lossless=True)
 
 
-def test_lossless_pads_a_batch_and_stops_rows_at_eos(real_model):
+@pytest.mark.parametrize("graph_decode", [None, True])
+def test_lossless_pads_a_batch_and_stops_rows_at_eos(real_model, graph_decode):
+    """Rows end at EOS or at max_new_tokens; at fixed shapes (graph_decode=True) each round is queued before the
+    previous one's tokens are read, its rows' room counted on the device (a row the device takes for unfinished
+    while the host has it finished, or the reverse, stops the generation)."""
     model, tokenizer = real_model
-    prompts = ["The capital of France is", "Write three words about the sea and the sky, then stop."]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompts = [tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True),
+               "The capital of France is"]  # fmt: skip
     dense = sparsekv.generate(model, tokenizer, prompts, SparseConfig(method="dense"), max_new_tokens=24)
+    assert len(dense.new_token_ids[0]) < 12 and len(dense.new_token_ids[1]) == 24  # the answer ends at EOS
     lossless = sparsekv.generate(model, tokenizer, prompts, SparseConfig(method="oracle-topk", budget=0.1),
-                                 max_new_tokens=24, lossless=True, draft_tokens=3)  # fmt: skip
+                                 max_new_tokens=24, lossless=True, draft_tokens=3, graph_decode=graph_decode)  # fmt: skip
     assert lossless.new_token_ids == dense.new_token_ids
+    assert (lossless.decode_paths.get("fixed-shape", 0) >= 3) == bool(graph_decode)
 
 
 @pytest.fixture(scope="module")
