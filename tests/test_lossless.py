@@ -102,9 +102,7 @@ def test_lossless_refuses_methods_that_cannot_be_verified(real_model, method):
 
 @pytest.mark.parametrize("graph_decode", [None, True])
 def test_lossless_pads_a_batch_and_stops_rows_at_eos(real_model, graph_decode):
-    """Rows end at EOS or at max_new_tokens; at fixed shapes (graph_decode=True) each round is queued before the
-    previous one's tokens are read, its rows' room counted on the device (a row the device takes for unfinished
-    while the host has it finished, or the reverse, stops the generation)."""
+    """Rows end at EOS or at max_new_tokens, in eager rounds and at fixed shapes (graph_decode=True)."""
     model, tokenizer = real_model
     question = [{"role": "user", "content": "What is the capital of France?"}]
     prompts = [tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True),

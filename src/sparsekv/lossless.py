@@ -190,7 +190,6 @@ class RowTokens:
         self.rows: list[list[int]] = [[] for _ in range(batch)]
         self.max_new = max_new
         self.eos = set(eos.tolist())
-        self.eos_ids = eos
         self.finished = [False] * batch
         self.device = device
 
@@ -211,10 +210,6 @@ class RowTokens:
     @property
     def done(self) -> bool:
         return all(self.finished)
-
-    def most_room(self) -> int:
-        """The most tokens a row may still take (0 once every row has finished)."""
-        return max(0 if done else self.max_new - len(row) for row, done in zip(self.rows, self.finished))
 
     def room(self) -> torch.Tensor:
         """[B] tokens each row may still take (0 once finished), on the device."""
@@ -337,16 +332,11 @@ def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_toke
     take(out, torch.stack(drafts[1:], dim=1), agree, after, room)
 
 
-def taken_tokens(drafts: torch.Tensor, agree: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
-    """[B, gamma + 1]: each row's first agree[i] drafts ([B, gamma]), then its token `after` (then anything)."""
-    tokens = torch.cat([drafts, after[:, None]], dim=1)
-    tokens.scatter_(1, agree[:, None].long(), after[:, None])  # each row's own token right after its prefix
-    return tokens
-
-
 def take(out: RowTokens, drafts: torch.Tensor, agree: torch.Tensor, after: torch.Tensor, room: torch.Tensor) -> None:
     """Each row's first agree[i] drafts ([B, gamma]) and then its token `after` into `out`, within its room."""
-    out.add(taken_tokens(drafts, agree, after), torch.minimum(agree + 1, room))
+    proposed = torch.cat([drafts, after[:, None]], dim=1)  # [B, gamma + 1]
+    proposed.scatter_(1, agree[:, None].long(), after[:, None])  # each row's own token right after its prefix
+    out.add(proposed, torch.minimum(agree + 1, room))
 
 
 class CapturedRounds:
@@ -364,7 +354,6 @@ class CapturedRounds:
 
     def __init__(self, model, decoder: Decoder, draft_tokens: int | str, capacity: int, step_forward=None) -> None:
         self.model, self.cache = model, decoder.cache
-        self.room: torch.Tensor | None = None  # [B] tokens each row may still take, as `RowTokens` counts them
         self.step_forward = step_forward
         self.auto = draft_tokens == AUTO_DRAFTS
         self.most = AUTO_MOST_DRAFTS if self.auto else draft_tokens
@@ -442,21 +431,13 @@ class CapturedRounds:
         self.graphs[name] = (graph, graph_output)
         return output.logits
 
-    def launch(self, last: torch.Tensor, sampler: Sampler, room: torch.Tensor | None, counts: DraftCounts,
-               eos: torch.Tensor) -> RoundResult:  # fmt: skip
-        """Queues a round after each row's latest token `last` [B] (on the device) and reads nothing back: the
-        drafts, their verification, the rows' kept slots, their room and one copy of the round's tokens to the
-        host, which `finish` takes. In between the host may queue the next round (`decode_rounds`), so that the
-        GPU does not wait for the host. `room` [B]: the tokens each row may still take (`RowTokens.room`); None
-        after a round not yet finished: the room that round left, counted on the device as `RowTokens.add` counts
-        it (an `eos` token ends a row)."""
+    def round(self, last: torch.Tensor, sampler: Sampler, out: RowTokens, counts: DraftCounts) -> None:
+        """As `speculate`, for rows whose latest tokens are `last` [B]."""
         cache, start = self.cache, self.slot
-        if room is not None:
-            self.room = room
         gamma = self._drafts(counts)
         if start + gamma + 1 > self.capacity:
             raise ConfigError(f"lossless rounds ran out of their {self.capacity} preallocated slots")
-        room = self.room
+        room = out.room()
         active = room > 0
         if gamma not in self.verify_inputs:
             self.verify_inputs[gamma] = self._inputs(gamma + 1)
@@ -489,61 +470,16 @@ class CapturedRounds:
         self.slot = start + gamma + 1
         for layer in cache.layers:
             layer.length = self.slot
-        # the tokens each row takes (`take`), and its room after them: 0 at an EOS, as `RowTokens.add` decides
-        tokens = taken_tokens(proposed[:, 1:], agree, after)
-        taken = torch.minimum(agree + 1, room)
-        ended = (torch.isin(tokens, eos) & (self.offsets[: gamma + 1] < taken[:, None])).any(-1)
-        self.room = torch.where(ended, 0, room - taken)
-        result = RoundResult(gamma, clock, len(self.graphs) > graphs, after)
-        result.send(torch.stack([*tokens.unbind(1), agree.long(), taken.long(), active.long()], dim=1))
-        return result
-
-    def finish(self, result: RoundResult, out: RowTokens, counts: DraftCounts) -> None:
-        """The round's tokens into `out` and its counts into `counts` (waits for the round alone)."""
-        host = result.received()
-        gamma = result.gamma
-        tokens, agree, taken, active = host[:, : gamma + 1], host[:, -3], host[:, -2], host[:, -1].bool()
-        if active.tolist() != [not done for done in out.finished]:  # the device's count of the rows' room
-            raise RuntimeError("lossless rounds: the rows the device took as unfinished are not the host's")
         counts.add_round(gamma, agree, active)
         counts.drafts_per_round[gamma] = counts.drafts_per_round.get(gamma, 0) + 1
-        if not result.captured:  # a round that captured a graph is not timed
-            drafting, verifying = result.clock.seconds()
+        if len(self.graphs) == graphs:  # a round that captured a graph is not timed
+            drafting, verifying = clock.seconds()
             if gamma:
                 counts.draft_seconds += drafting
                 counts.draft_steps += gamma
             counts.verify_seconds += verifying
             counts.verify_steps += 1
-        out.add(tokens, taken)
-
-    def round(self, last: torch.Tensor, sampler: Sampler, out: RowTokens, counts: DraftCounts) -> None:
-        """As `speculate`, for rows whose latest tokens are `last` [B]: `launch`, then `finish`."""
-        self.finish(self.launch(last, sampler, out.room(), counts, out.eos_ids), out, counts)
-
-
-class RoundResult:
-    """A launched round's outputs on their way to the host: one non-blocking copy into pinned memory and an event
-    behind it on a GPU (reading them waits for that round only, not for the rounds queued after it)."""
-
-    def __init__(self, gamma: int, clock: _StepClock, captured: bool, after: torch.Tensor) -> None:
-        self.gamma, self.clock, self.captured = gamma, clock, captured
-        self.after = after  # [B] on the device: each unfinished row's latest token, the next round's input
-        self.host: torch.Tensor | None = None
-        self.event = None
-
-    def send(self, values: torch.Tensor) -> None:
-        if values.device.type != "cuda":
-            self.host = values
-            return
-        self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-        self.host.copy_(values, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def received(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
+        take(out, proposed[:, 1:], agree, after, room)
 
 
 class _StepClock:
@@ -583,20 +519,13 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
     `step_forward`: the forward of the fixed-shape rounds (`CapturedRounds`; None: the model's own)."""
     cache = decoder.cache
     cache.fallback_threshold = 0  # drafts are sparse: a dense fallback would make them the verification's twin
-    latest, rounds, why, pending = first, None, "first round", None
+    latest, rounds, why = first, None, "first round"
     try:
         while not out.done:
             before = [len(row) for row in out.rows]
             if rounds is not None:
-                pending = pending or rounds.launch(latest, sampler, out.room(), counts, out.eos_ids)
-                # the next round is queued before this one's tokens are read, unless this one may end every row
-                # (an EOS can still end them all: that queued round is then dropped)
-                ahead = None
-                if out.most_room() > pending.gamma + 1:
-                    ahead = rounds.launch(pending.after, sampler, None, counts, out.eos_ids)
-                rounds.finish(pending, out, counts)
+                rounds.round(latest, sampler, out, counts)
                 counts.count(rounds.path)
-                pending = ahead
             else:
                 speculate(decoder, sampler, latest, AUTO_EAGER_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens,
                           out, counts)  # fmt: skip
@@ -604,16 +533,14 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
                 why = CapturedRounds.refusal(cache, sampler, graph_mode)
                 if why is None and not out.done:
                     most = AUTO_MOST_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens
-                    # room for every round the rows can take, and for one queued round that an EOS made needless
-                    capacity = cache.layers[0].length + (out.most_room() + 1) * (most + 1)
+                    capacity = cache.layers[0].length + int(out.room().max()) * (most + 1)
                     rounds = CapturedRounds(model, decoder, draft_tokens, capacity, step_forward)
             taken = [row[n:] for row, n in zip(out.rows, before)]
             active = sum(n < out.max_new for n in before)  # an EOS row is counted until its round
             counts.timeline.append((time.perf_counter(), sum(map(len, taken)), active))
             if on_tokens is not None:
                 on_tokens(taken)
-            if pending is None:
-                latest = torch.tensor([row[-1] for row in out.rows], device=first.device)  # finished rows: any token
+            latest = torch.tensor([row[-1] for row in out.rows], device=first.device)  # finished rows: any token
     finally:
         cache.end_fixed_shape()
 
