@@ -27,9 +27,10 @@ def run_under_interpreter(test_file: str) -> None:
     """Runs `test_file`'s tests in a child pytest under TRITON_INTERPRET=1; fails with the child's output."""
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("PYTEST_XDIST_WORKER", None)  # the child is a plain pytest run of its own, without workers ("-n 0")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root / "src"), str(root), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", test_file],
         # the interpreter runs every kernel on a 2-core CI machine: its files take minutes, one of them near 15
         check=False, cwd=root, env=env, capture_output=True, text=True, timeout=1800,
     )  # fmt: skip

@@ -616,11 +616,12 @@ def test_quest_page_level_fixed_step_gives_the_eager_tokens(real_model, prompt):
 def test_methods_command_lists_each_methods_dense_fallback_and_decode_paths(monkeypatch):
     from typer.testing import CliRunner
 
-    from sparsekv.cli import app
+    from sparsekv import cli
     from sparsekv.registry import get_method_class
 
-    monkeypatch.setenv("COLUMNS", "240")
-    result = CliRunner().invoke(app, ["methods"])
+    # rich's global console reads COLUMNS once, when a test before this one may have made it: its width directly
+    monkeypatch.setattr(cli.console, "_width", 240)
+    result = CliRunner().invoke(cli.app, ["methods"])
     assert result.exit_code == 0, result.output
     rows = {line.lstrip("│ ").split()[0]: line for line in result.output.splitlines() if line.startswith("│ ")}
     assert f"below {get_method_class('spotlight').dense_below:,} cached tokens" in rows["spotlight"]

@@ -22,6 +22,8 @@ from tests.helpers import RUN_HERE, here, run_under_interpreter
 from tests.test_kernels_reference import assert_topk_set
 
 DEV = "cuda" if CUDA else "cpu"
+#: a size the interpreter takes minutes over, whose path a smaller case of the same test also takes
+gpu_only = pytest.mark.skipif(not CUDA, reason="covered by the smaller cases under the interpreter")
 
 
 @pytest.mark.skipif(RUN_HERE, reason="kernels run directly in this process")
@@ -617,7 +619,8 @@ def test_lut_triton(impl):
 
 
 @here
-@pytest.mark.parametrize("d,n,k", [(128, 1000, 77), (64, 301, 30), (48, 77, 76), (128, 9000, 500), (128, 20000, 400)])
+@pytest.mark.parametrize("d,n,k", [(128, 1000, 77), (64, 301, 30), (48, 77, 76), (128, 9000, 500),
+                                   pytest.param(128, 20000, 400, marks=gpu_only)])  # fmt: skip
 def test_lut_topk_fixed_triton(impl, d, n, k):
     """The fused first stage: ranks and picks equal the reference's, with sinks / local / listed forced keys, a
     listed position past `written` (not forced), many equal scores (repeated codes) and rows not a multiple of
