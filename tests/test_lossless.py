@@ -32,10 +32,10 @@ def dense_tokens(real_model, long_prompt):
     return sparsekv.generate(model, tokenizer, long_prompt, SparseConfig(method="dense"), max_new_tokens=128)
 
 
-# lsh at 2% only: its CPU scoring of a 4K context makes each lsh case about five minutes
+# lsh at 2% only: its CPU scoring of a 4K context makes each lsh case about five minutes; streaming (the GPU
+# benchmarks' draft method) is verified on the tiny models' fixed-shape rounds and in the sampling test
 @pytest.mark.parametrize("method,budget", [("lsh", 0.02), ("spotlight", 0.02), ("spotlight", 0.1), ("quest", 0.02),
-                                           ("quest", 0.1), ("streaming", 0.02), ("streaming", 0.1),
-                                           ("self-index", 0.02), ("self-index", 0.1)])  # fmt: skip
+                                           ("quest", 0.1), ("self-index", 0.02), ("self-index", 0.1)])  # fmt: skip
 def test_lossless_output_is_dense_token_for_token(real_model, long_prompt, dense_tokens, method, budget):
     model, tokenizer = real_model
     result = sparsekv.generate(model, tokenizer, long_prompt, SparseConfig(method=method, budget=budget),
