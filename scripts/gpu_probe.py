@@ -18,8 +18,10 @@ variant's output against the default's or a reference). Sections (comma-separate
   (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
 
     python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape]   # on a CUDA machine
+    PROBE_BATCH=4 python3 scripts/gpu_probe.py selfindex   # at 128K x B4
 """
 
+import os
 import sys
 
 import torch
@@ -33,7 +35,7 @@ from sparsekv.kernels import _topk_triton as tk
 SECTIONS = sys.argv[1] if len(sys.argv) > 1 else "hash,selfindex"
 dev = torch.device("cuda")
 gen = torch.Generator(device=dev).manual_seed(0)
-B, HQ, HKV, D, N = 8, 32, 8, 128, 131072
+B, HQ, HKV, D, N = int(os.environ.get("PROBE_BATCH", "8")), 32, 8, 128, 131072  # PROBE_BATCH: another batch
 K = int(0.02 * N)
 q = torch.randn(B, HQ, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
 w = [torch.randn(HKV, D, D, device=dev, generator=gen) * D**-0.5 for _ in range(3)]
@@ -159,7 +161,7 @@ def self_index_probe():
     old = dict(ckv.KEYS_TUNE)
     ref = report("re-rank q.K default " + str(old),
                  lambda i: ckv.compressed_key_scores_triton(qsum, kvs[i], cand[i], tail_from))  # fmt: skip
-    for block, warps in ((64, 4), (32, 2), (16, 2), (32, 8)):
+    for block, warps in ((64, 4), (32, 2), (16, 2), (32, 8), (16, 4), (8, 2), (8, 1), (16, 1)):
         ckv.KEYS_TUNE.update(block=block, num_warps=warps)
         report(f"re-rank q.K block {block} warps {warps}",
                lambda i: ckv.compressed_key_scores_triton(qsum, kvs[i], cand[i], tail_from), ref)  # fmt: skip
@@ -172,12 +174,17 @@ def self_index_probe():
                  lambda i: ckv.compressed_attention_triton(q, kvs[i], sel[i], valid, D**-0.5, tail_from))  # fmt: skip
     for block, warps, mult, prec in (
         (32, 4, 4, "tf32x3"), (16, 2, 16, "tf32"), (16, 2, 8, "tf32"), (32, 2, 8, "tf32"), (32, 4, 8, "tf32"),
-        (64, 4, 4, "tf32"), (16, 2, 16, "tf32x3"),
+        (64, 4, 4, "tf32"), (16, 2, 16, "tf32x3"), (16, 2, 4, "tf32"), (16, 2, 12, "tf32"), (16, 4, 8, "tf32"),
+        (16, 1, 8, "tf32"), (16, 1, 16, "tf32"),
     ):  # fmt: skip
         ckv.ATTN_TUNE.update(block=block, num_warps=warps, sm_mult=mult, precision=prec)
         report(f"attention block {block} warps {warps} sm_mult {mult} {prec}",
                lambda i: ckv.compressed_attention_triton(q, kvs[i], sel[i], valid, D**-0.5, tail_from), ref)  # fmt: skip
     ckv.ATTN_TUNE.update(old)
+    report("attention default, float32 query (the selector's rotated query), 3xTF32",
+           lambda i: ckv.compressed_attention_triton(qf, kvs[i], sel[i], valid, D**-0.5, tail_from))  # fmt: skip
+    report("attention default, float32 query, tf32 (a 16-bit model's)",
+           lambda i: ckv.compressed_attention_triton(qf, kvs[i], sel[i], valid, D**-0.5, tail_from, tf32=True))  # fmt: skip
     plain = [CompressedKV(**{**kv.__dict__, "sink_positions": None, "sink_keys": None, "sink_values": None,
                              "tail_keys": None, "tail_values": None}) for kv in kvs]  # fmt: skip
     report("attention default, no sinks / tail copies",

@@ -228,8 +228,8 @@ def _compressed_attention():
     valid[..., 0] = True
     tail_from = torch.tensor([17, 18, 37])
     return [
-        (query, indices, valid, 0.15, tail_from, *_compressed_kv_fields(gen, channel))
-        for channel in (False, True)
+        (query, indices, valid, 0.15, tf32, tail_from, *_compressed_kv_fields(gen, channel))
+        for channel, tf32 in ((False, False), (True, True))
     ]
 
 

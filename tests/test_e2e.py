@@ -538,6 +538,17 @@ def test_bench_generate_lossless_rows_report_their_drafts():
         assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1
 
 
+def test_bench_generate_lossless_rows_keep_the_dense_layers_and_top_p_they_are_given(monkeypatch):
+    from sparsekv.bench import generate
+
+    made = []
+    real = generate.config_for
+    monkeypatch.setattr(generate, "config_for", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    generate.run_generate("tiny-llama", layers=3, context=96, batch=2, rows=("streaming@lossless:0.5",),
+                          new_tokens=4, warmup=1, device="cpu", dense_layers=(), top_p=0.9)  # fmt: skip
+    assert len(made) >= 2 and all(c.dense_layers == () and c.top_p == 0.9 for c in made)
+
+
 def test_bench_generate_times_the_step_alone_after_the_last_token():
     from sparsekv.bench.generate import _TokenClock
 

@@ -53,6 +53,21 @@ def test_streaming_fixed_shape_window_equals_the_eager_rule(real_model, prompt, 
         assert fixed_cache.stats.summary()[key] == pytest.approx(eager_cache.stats.summary()[key])
 
 
+def test_streaming_selects_once_per_fixed_shape_step(real_model, prompt, monkeypatch):
+    """Streaming's fixed-shape selection depends on the step's slots alone: the first sparse layer makes it and
+    the others attend over the same one (the tokens and stats equal the eager rule's: the test above)."""
+    from sparsekv.selectors import streaming
+
+    made = []
+    rule = streaming.sinks_and_window
+    monkeypatch.setattr(streaming, "sinks_and_window", lambda *args: made.append(1) or rule(*args))
+    model, _ = real_model
+    sparse_layers = model.config.num_hidden_layers - len(SparseConfig().dense_layers)
+    _, steps, _ = _generate(model, prompt, SparseConfig(method="streaming", budget=0.1, dense_below=0),
+                            graph_decode=True, steps=8)  # fmt: skip
+    assert steps["fixed-shape"] == 6 and sparse_layers > 1 and len(made) == 6
+
+
 @pytest.mark.parametrize("method,budget", FIXED_SHAPE_METHODS)
 def test_fixed_shape_step_equals_eager(real_model, prompt, method, budget):
     model, _ = real_model

@@ -194,7 +194,7 @@ def test_auto_draft_counts_follow_measured_acceptance_and_step_times(real_model,
 
 
 def test_row_masked_fixed_steps_count_each_rows_own_visible_tokens():
-    """Stats of a fixed-shape step whose rows see slots of their own (`BudgetStats.add_rows`): a row's masked draft
+    """Stats of a fixed-shape step whose rows see slots of their own (`BudgetStats.row_sums`): a row's masked draft
     slots are not part of its context, as in an eager step's `record`."""
     from sparsekv.selectors.base import Selection
     from sparsekv.stats import BudgetStats
@@ -206,7 +206,7 @@ def test_row_masked_fixed_steps_count_each_rows_own_visible_tokens():
     selection = Selection(indices, visible[:, None].expand(-1, 3, -1, -1).gather(-1, indices))
     fixed, eager = BudgetStats(1), BudgetStats(1)
     fixed.prepare_sums(torch.device("cpu"))
-    fixed.add_rows(0, selection, *BudgetStats.row_step_stats(visible, 3))
+    fixed.add_sums(0, BudgetStats.row_sums(selection, *BudgetStats.row_step_stats(visible, 3)))
     eager.record(0, selection, visible)
     for name in ("avg_budget_tokens", "avg_context_tokens", "avg_budget_fraction"):
         assert fixed.summary()[name] == pytest.approx(eager.summary()[name])

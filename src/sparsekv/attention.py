@@ -381,6 +381,17 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
                       written=shared["written"], min_written=cache.fixed_start + 1, shared=cache.fixed_step)  # fmt: skip
     step = DecodeStep(query, key, value, visible, shared["forced"], shared["budgets"], selector.layer, config.gqa,
                       hints)  # fmt: skip
+    # a selection made from the step's slots alone is the same in every layer of the step: made, masked and
+    # counted once, each later layer adds the counted sums (one launch instead of about eight)
+    same = ("selection", type(selector).__name__, info.window if info.sliding else None, key.shape[2])
+    reused = cache.fixed_step.get(same) if selector.same_in_every_layer and pruner is None else None
+    if reused is not None:
+        selection, sums = reused
+        if sums is not None:
+            cache.stats.add_sums(module.layer_idx, sums)
+        elif cache.record_stats:
+            cache.host_counted[module.layer_idx] = selection.indices.shape[:-1].numel()
+        return selector.attend(step, selection, scale).transpose(1, 2).contiguous(), None
     selection = selector.select(step)
     if cache.fixed_kept is not None:
         # rows of their own: a selector ranks every written slot, and the ones a row does not keep stay unread
@@ -388,12 +399,17 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         selection = Selection(selection.indices, selection.valid & seen)
     if pruner is not None:
         selection = pruner.prune(step, selection)
+    sums = None
     if cache.record_stats and cache.fixed_kept is not None:
-        cache.stats.add_rows(module.layer_idx, selection, *_row_stats(cache, visible, selection.indices.shape[1]))
+        sums = cache.stats.row_sums(selection, *_row_stats(cache, visible, selection.indices.shape[1]))
     elif cache.record_stats and selection.exact_budgets:
         # every row attends its budget: the counts are known on the host (no kernels in the step)
         cache.host_counted[module.layer_idx] = selection.indices.shape[:-1].numel()
     elif cache.record_stats:
-        cache.stats.add(module.layer_idx, selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
+        sums = cache.stats.step_sums(selection, *_fixed_stats(cache, selection.indices.shape[:-1].numel()))
+    if sums is not None:
+        cache.stats.add_sums(module.layer_idx, sums)
+    if selector.same_in_every_layer and pruner is None:
+        cache.fixed_step[same] = (selection, sums)
     out = selector.attend(step, selection, scale)
     return out.transpose(1, 2).contiguous(), None

@@ -59,21 +59,28 @@ class BudgetStats:
         if self._sums is None or self._sums.device != device:
             self._sums = torch.zeros(self.num_layers, 4, dtype=torch.float64, device=device)
 
-    def add(self, layer_idx: int, selection: Selection, per_kept: torch.Tensor, fixed: torch.Tensor) -> None:
-        """`record` for fixed-shape steps, in place on the device sums: the layer's kept tokens summed over its
-        rows, times `per_kept` ([1, 0, 1 / visible, 0]: every row of such a step sees the same tokens), plus
-        `fixed` ([0, visible x rows, 0, rows]); both are built once per step (`fixed_step_stats`)."""
-        self._sums[layer_idx].add_(fixed).addcmul_(per_kept, selection.valid.sum(dtype=torch.float64))
+    def add_sums(self, layer_idx: int, sums: torch.Tensor) -> None:
+        """`record` for fixed-shape steps, in place on the device sums: one step's [4] sums of a layer
+        (`step_sums` or `row_sums`)."""
+        self._sums[layer_idx].add_(sums)
 
-    def add_rows(self, layer_idx: int, selection: Selection, weights: torch.Tensor, fixed: torch.Tensor) -> None:
-        """`add` for a fixed-shape step whose rows see slots of their own (lossless rounds: a row's masked draft
-        slots are not among its visible ones): the layer's kept tokens per row through `weights` [4, rows], plus
+    @staticmethod
+    def step_sums(selection: Selection, per_kept: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+        """A fixed-shape step's [4] sums: its kept tokens summed over its rows, times `per_kept` ([1, 0,
+        1 / visible, 0]: every row of such a step sees the same tokens), plus `fixed` ([0, visible x rows, 0,
+        rows]); both are built once per step (`fixed_step_stats`)."""
+        return torch.addcmul(fixed, per_kept, selection.valid.sum(dtype=torch.float64))
+
+    @staticmethod
+    def row_sums(selection: Selection, weights: torch.Tensor, fixed: torch.Tensor) -> torch.Tensor:
+        """`step_sums` for a fixed-shape step whose rows see slots of their own (lossless rounds: a row's masked
+        draft slots are not among its visible ones): its kept tokens per row through `weights` [4, rows], plus
         `fixed`; both are built once per step (`row_step_stats`)."""
-        self._sums[layer_idx].add_(fixed).addmv_(weights, selection.valid.sum(-1, dtype=torch.float64).flatten())
+        return torch.addmv(fixed, weights, selection.valid.sum(-1, dtype=torch.float64).flatten())
 
     @staticmethod
     def row_step_stats(visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add_rows`'s two tensors for a step whose rows see visible [B, Q, N] with `heads` selection heads:
+        """`row_sums`'s two tensors for a step whose rows see visible [B, Q, N] with `heads` selection heads:
         weights [4, rows] (per row: 1, 0, 1 / visible, 0) and fixed ([0, visible summed over the rows, 0, rows])."""
         seen = _visible_rows(visible, heads).double()
         zero = seen.new_zeros(())
@@ -87,7 +94,7 @@ class BudgetStats:
 
     @staticmethod
     def fixed_step_stats(seen: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`add`'s two vectors for a step whose every row sees `seen` tokens (a [1] tensor)."""
+        """`step_sums`'s two vectors for a step whose every row sees `seen` tokens (a [1] tensor)."""
         seen = seen.double().view(1)
         zero = torch.zeros_like(seen)
         per_kept = torch.cat([zero + 1, zero, 1 / seen.clamp(min=1), zero])

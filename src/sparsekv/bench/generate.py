@@ -176,8 +176,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     import sparsekv
 
     if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
-        return _time_lossless(model, ids, row, budget=budget, options=options, new_tokens=new_tokens, warmup=warmup,
-                              prefill_chunk_size=prefill_chunk_size)  # fmt: skip
+        return _time_lossless(model, ids, row, budget=budget, top_p=top_p, options=options, new_tokens=new_tokens,
+                              warmup=warmup, prefill_chunk_size=prefill_chunk_size, dense_layers=dense_layers)  # fmt: skip
     device = ids.device
     steps = new_tokens + warmup + 1
     runtime = []  # the row's SparseRuntime, once enabled
@@ -247,8 +247,9 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     return result
 
 
-def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, options: dict | None, new_tokens: int,
-                   warmup: int, prefill_chunk_size: int | None) -> dict:  # fmt: skip
+def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, options: dict | None,
+                   new_tokens: int, warmup: int, prefill_chunk_size: int | None,
+                   dense_layers: tuple[int, ...] | None) -> dict:  # fmt: skip
     """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, each row at its own pace; the rounds'
     timeline (`DraftCounts.timeline`) gives TPOT as the seconds per token of a row over the rounds after the first
     `warmup` tokens of a row and while every row is still decoding (the first round runs eagerly, the next one
@@ -258,7 +259,7 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, options
     if prefill_chunk_size is not None:
         raise ConfigError("a @lossless row prefills in one forward: drop --prefill-chunk-size")
     device, batch = ids.device, ids.shape[0]
-    config = config_for(row, budget, None, options=options)
+    config = config_for(row, budget, top_p, dense_layers=dense_layers, options=options)
     compile_step = parse_row(row)[1] == LOSSLESS_COMPILE_SUFFIX
     result: dict = {"row": row}
     clock = _TokenClock(device)

@@ -23,7 +23,8 @@ from sparsekv.kernels._triton import check_grid, interpreting, next_pow2, row_gr
 
 # attention launch. precision "auto": 3xTF32 dots for float32 queries (float32 accuracy on tensor cores; plain IEEE
 # float32 dots run on the FMA units: 1481 us vs 195 us at 128K x B8 on the H200), one TF32 pass for 16-bit queries,
-# whose output rounding is coarser than TF32's (139 us; scripts/gpu_probe.py selfindex)
+# whose output rounding is coarser than TF32's (139 us; scripts/gpu_probe.py selfindex), and where the caller asks
+# for it (`tf32`: a 16-bit model's rotated float32 query)
 ATTN_TUNE = {"block": 32, "num_warps": 4, "precision": "auto", "sm_mult": 4}
 # re-rank of 3 x 2% of 128K x B8: 165 us with 32 tokens per program vs 202 us with 64 (4 warps)
 KEYS_TUNE = {"block": 32, "num_warps": 4}
@@ -357,15 +358,15 @@ def _attention_kernel(
     store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, c, D, hmask, cmask)
 
 
-def _precision(dtype: torch.dtype) -> str:
+def _precision(dtype: torch.dtype, tf32: bool) -> str:
     if interpreting():
         return "ieee"
     if ATTN_TUNE["precision"] != "auto":
         return ATTN_TUNE["precision"]
-    return "tf32x3" if dtype == torch.float32 else "tf32"
+    return "tf32x3" if dtype == torch.float32 and not tf32 else "tf32"
 
 
-def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
+def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from, tf32=False):
     _check_rows(kv)
     b, hq, q, d = query.shape
     h, kk = indices.shape[1], indices.shape[3]
@@ -394,7 +395,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from):
         *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
         G=hq // h, GP=max(16, next_pow2(hq // h)), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
-        BLOCK=block, PRECISION=_precision(query.dtype),
+        BLOCK=block, PRECISION=_precision(query.dtype, tf32),
         num_warps=ATTN_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
     )  # fmt: skip
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)

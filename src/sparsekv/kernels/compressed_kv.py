@@ -179,33 +179,39 @@ def compressed_attention(
     valid: torch.Tensor,
     scaling: float,
     tail_from: torch.Tensor,
+    tf32: bool = False,
 ) -> torch.Tensor:
     """The op `sparsekv::compressed_attention` (see the reference for shapes): the split-K Triton kernel on CUDA,
-    the reference elsewhere. The op takes the view's fields (see `compressed_key_scores`)."""
-    return _compressed_attention_op(query, indices, valid, float(scaling), tail_from, *_fields_of(kv))
+    the reference elsewhere. The op takes the view's fields (see `compressed_key_scores`).
+
+    tf32: the kernel's dots in one TF32 pass whatever the query's dtype: a 16-bit model's precision for the
+    float32 query it rotates (3xTF32 took 111 us against 80 at 128K x B4 on the H200, about float32's
+    accuracy, which only a float32 model needs). The reference computes in float32 either way."""
+    return _compressed_attention_op(query, indices, valid, float(scaling), bool(tf32), tail_from, *_fields_of(kv))
 
 
 @torch.library.custom_op(
     "sparsekv::compressed_attention", mutates_args=(),
-    schema=f"(Tensor query, Tensor indices, Tensor valid, float scaling, Tensor tail_from, {_KV_SCHEMA}) -> Tensor",
+    schema=f"(Tensor query, Tensor indices, Tensor valid, float scaling, bool tf32, Tensor tail_from, {_KV_SCHEMA})"
+    " -> Tensor",
 )  # fmt: skip
-def _compressed_attention_op(query, indices, valid, scaling, tail_from, *kv_fields):
+def _compressed_attention_op(query, indices, valid, scaling, tf32, tail_from, *kv_fields):
     """CPU (and any device without its own kernel): the reference."""
     return compressed_attention_reference(query, CompressedKV(*kv_fields), indices, valid, scaling, tail_from)
 
 
 @_compressed_attention_op.register_kernel("cuda")
-def _compressed_attention_cuda(query, indices, valid, scaling, tail_from, *kv_fields):
+def _compressed_attention_cuda(query, indices, valid, scaling, tf32, tail_from, *kv_fields):
     from sparsekv.kernels._triton import kernel, use_triton
 
     kv = CompressedKV(*kv_fields)
     if use_triton(query, kv.sign_bits, indices) and indices.shape[-1] > 0 and query.shape[-1] <= 256:
         impl = kernel("_compressed_kv_triton", "compressed_attention_triton")
         if impl is not None:
-            return impl(query, kv, indices, valid, scaling, tail_from)
+            return impl(query, kv, indices, valid, scaling, tail_from, tf32=tf32)
     return compressed_attention_reference(query, kv, indices, valid, scaling, tail_from)
 
 
 @_compressed_attention_op.register_fake
-def _compressed_attention_fake(query, indices, valid, scaling, tail_from, *kv_fields):
+def _compressed_attention_fake(query, indices, valid, scaling, tf32, tail_from, *kv_fields):
     return torch.empty_like(query)

@@ -542,6 +542,9 @@ class TokenSelector:
     #: slots at once: writing a slot again replaces the entry, so lossless rounds may draft into slots that their
     #: verification rewrites (`sparsekv.lossless.CapturedRounds`)
     slot_state: ClassVar[bool] = False
+    #: its fixed-shape selection depends on the step's slots and budgets alone (no layer's keys or state): one
+    #: layer makes it and the step's other layers attend over the same one
+    same_in_every_layer: ClassVar[bool] = False
     #: set by `SparseCache.begin_fixed_shape`: the fixed-shape steps run compiled (`compile_step=True`)
     compiled_step: bool = field(default=False, init=False, repr=False, compare=False)
     #: the dense fallback's default (`SparseConfig.dense_below`): cached tokens over the batch below which this

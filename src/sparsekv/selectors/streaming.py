@@ -22,6 +22,7 @@ class StreamingSelector(TokenSelector):
     sink_tokens: int = 4
     fixed_shape = True
     slot_state = True  # no state at all: a slot written again changes nothing
+    same_in_every_layer = True
 
     def crop(self, length: int) -> None:
         pass  # no state: every step ranks the visible tokens afresh

@@ -61,11 +61,12 @@ def candidate_scores(
 
 
 def attend(
-    kv: CompressedStore, step: DecodeStep, selection: Selection, scaling: float
+    kv: CompressedStore, step: DecodeStep, selection: Selection, scaling: float, model_dtype: torch.dtype
 ) -> torch.Tensor | None:
     """`SelfIndexSelector.attend` on the kernels, or None where they do not apply. With v_rotate the kernels attend
-    over the stored V R and return out R; `SelfIndexSelector.attend` un-rotates it."""
+    over the stored V R and return out R; `SelfIndexSelector.attend` un-rotates it. A 16-bit model's dots run at
+    its precision (one TF32 pass) for the float32 query that the rotation makes."""
     if not applies(kv, step) or selection.indices.shape[1] != kv.num_kv_heads:
         return None
     return compressed_attention(step.query, kv.kernel_view(), selection.indices, selection.valid, scaling,
-                                _tail_from(kv, step, step.query.device))  # fmt: skip
+                                _tail_from(kv, step, step.query.device), tf32=model_dtype != torch.float32)  # fmt: skip

@@ -588,10 +588,11 @@ class SelfIndexSelector(TokenSelector):
     def attend(self, step: DecodeStep, selection: Selection, scaling: float) -> torch.Tensor:
         """Attention of step.query over the selected tokens. The stored V is V R with v_rotate: both paths attend
         over it and the output is un-rotated here (out = out' R^T)."""
+        model_dtype = step.query.dtype
         step = self._rotated_query(step)
         kv = self.kv
         unrotate = functools.partial(maybe_compiled(_output_rows, self._compiles(step)), kv)
-        if (on_kernels := device.attend(kv, step, selection, scaling)) is not None:
+        if (on_kernels := device.attend(kv, step, selection, scaling, model_dtype)) is not None:
             return unrotate(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
         if not self.compressed:
             keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
