@@ -172,13 +172,12 @@ def self_index_probe():
     old = dict(ckv.ATTN_TUNE)
     ref = report("attention default " + str(old),
                  lambda i: ckv.compressed_attention_triton(q, kvs[i], sel[i], valid, D**-0.5, tail_from))  # fmt: skip
-    for block, warps, mult, prec in (
-        (32, 4, 4, "tf32x3"), (16, 2, 16, "tf32"), (16, 2, 8, "tf32"), (32, 2, 8, "tf32"), (32, 4, 8, "tf32"),
-        (64, 4, 4, "tf32"), (16, 2, 16, "tf32x3"), (16, 2, 4, "tf32"), (16, 2, 12, "tf32"), (16, 4, 8, "tf32"),
-        (16, 1, 8, "tf32"), (16, 1, 16, "tf32"),
-    ):  # fmt: skip
-        ckv.ATTN_TUNE.update(block=block, num_warps=warps, sm_mult=mult, precision=prec)
-        report(f"attention block {block} warps {warps} sm_mult {mult} {prec}",
+    for block, warps, keys, per_sm, prec in (
+        (32, 4, 1 << 30, 4, "tf32"), (16, 2, 64, 2, "tf32"), (16, 2, 96, 2, "tf32"), (16, 2, 128, 2, "tf32"),
+        (16, 2, 80, 4, "tf32"), (32, 4, 80, 2, "tf32"), (16, 2, 80, 2, "tf32x3"),
+    ):  # fmt: skip  (1 << 30 tokens a program: a fixed number of programs per SM)
+        ckv.ATTN_TUNE.update(block=block, num_warps=warps, split_keys=keys, min_programs_per_sm=per_sm, precision=prec)
+        report(f"attention block {block} warps {warps} split_keys {keys} programs/SM >= {per_sm} {prec}",
                lambda i: ckv.compressed_attention_triton(q, kvs[i], sel[i], valid, D**-0.5, tail_from), ref)  # fmt: skip
     ckv.ATTN_TUNE.update(old)
     report("attention default, float32 query (the selector's rotated query), 3xTF32",

@@ -134,12 +134,12 @@ def test_spotlight_fixed_step_on_the_device_path_equals_eager(real_model, prompt
 def _device_path_equals_eager(model, prompt, config: SparseConfig, monkeypatch) -> list:
     """24 greedy steps of `config` eagerly and through its fixed-shape step: the same tokens and the same stats
     (tokens attended, context, per layer). Returns the stats that layers added on the device in either run
-    (`BudgetStats.add`; a fixed step whose counts are known on the host adds none)."""
+    (`BudgetStats.add_sums`; a fixed step whose counts are known on the host adds none)."""
     from sparsekv.stats import BudgetStats
 
     device_adds = []
-    add = BudgetStats.add
-    monkeypatch.setattr(BudgetStats, "add", lambda *args: device_adds.append(args) or add(*args))
+    add = BudgetStats.add_sums
+    monkeypatch.setattr(BudgetStats, "add_sums", lambda *args: device_adds.append(args) or add(*args))
     eager, _, eager_cache = _generate(model, prompt, config, graph_decode=False, steps=24)
     fixed, steps, fixed_cache = _generate(model, prompt, config, graph_decode=True, steps=24)
     assert torch.equal(fixed, eager) and steps["fixed-shape"] == 22
@@ -600,6 +600,24 @@ def test_self_index_dense_fallback_keeps_16_bit_kv_for_the_whole_generation(real
     _, paths, cache = _generate(model, prompt, at, graph_decode=True, steps=steps)
     assert paths["fixed-shape"] == steps - 2
     assert cache_memory(cache)["compressed_layers"] == len(cache.layers) - len(at.dense_layers)
+
+
+def test_self_index_dense_fallback_through_sparsekv_generate(real_model, prompt):
+    """`sparsekv.generate` prefills before its decode steps go through the graphs: the fallback is decided before
+    the prompt is cached there too (dense's tokens). A compressed prompt that is cached already cannot fall back
+    (nothing at 16 bits to attend over): the method decodes with its own step."""
+    model, tokenizer = real_model
+    text = tokenizer.decode(prompt[0])
+    below = SparseConfig(method="self-index", budget=0.05, dense_below=10**9)
+    dense = sparsekv.generate(model, tokenizer, [text], SparseConfig(method="dense"), max_new_tokens=8)
+    result = sparsekv.generate(model, tokenizer, [text], below, max_new_tokens=8, graph_decode=True)
+    assert result.texts == dense.texts and result.decode_paths["fixed-shape (dense fallback)"] >= 1
+    with sparsekv.enabled(model, below, graph_decode=False):
+        model.generate(prompt, max_new_tokens=2, do_sample=False)
+        cache = sparsekv.last_cache(model)
+    cache.settle_fallback("cuda", 1, cache.layers[-1].length)
+    assert cache.fallback_threshold == 0 and all(layer.dense_from is None for layer in cache.layers)
+    assert sum(layer.selector is not None for layer in cache.layers) == len(cache.layers) - len(below.dense_layers)
 
 
 def test_a_method_with_top_p_takes_the_fixed_shape_step(real_model, prompt):

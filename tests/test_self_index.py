@@ -314,8 +314,8 @@ def test_compressed_keys_round_trip_error_and_signs():
 
 
 def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
-    """kv_bits=16 and rescore x budget >= all tokens: the second stage sees every token, so the selection is the
-    exact group-summed q.k top-k (plus the sinks); with rescore=1 it stays the LUT's own top-k."""
+    """kv_bits=16, rescore_group="sum" and rescore x budget >= all tokens: the second stage sees every token, so the
+    selection is the exact group-summed q.k top-k (plus the sinks); with rescore=1 it stays the LUT's own top-k."""
     from sparsekv.selectors.base import DecodeStep
 
     gen = torch.Generator().manual_seed(12)
@@ -331,7 +331,7 @@ def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
         return sel, sel.select(step).to_mask(200)[:, :, 0]
 
     exact = torch.matmul(query[:, :, -1:].view(1, 3, 3, 1, 64).sum(2), keys.transpose(-1, -2))[:, :, 0]
-    sel, mask = chosen(sink_tokens=4, rescore=10)
+    sel, mask = chosen(sink_tokens=4, rescore=10, rescore_group="sum")
     sinks = torch.zeros_like(mask).scatter(-1, sel.kv.sink_positions.long(), True)
     rest = exact.masked_fill(sinks, float("-inf")).topk(16, dim=-1).indices
     assert torch.equal(mask, sinks.scatter(-1, rest, True))
@@ -367,7 +367,7 @@ def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_cand
     exact = torch.zeros(1, 3, 200, dtype=torch.bool).scatter(-1, attention.topk(20, dim=-1).indices, True)
     sel, mask = chosen(rescore_group="softmax")
     assert torch.equal(mask, exact)
-    assert not torch.equal(chosen()[1], mask)
+    assert not torch.equal(chosen(rescore_group="sum")[1], mask)
     # a 2-bit cache: the kernels' per-head path (one op call for the group's heads; the op runs its reference on
     # CPU) gives the torch branch's scores
     sel = prefilled(selector(rescore=10, rescore_group="softmax"), keys, values, query)
@@ -689,7 +689,7 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="sink_share"):
         SparseConfig(method="self-index", options={"sink_share": 0})
     for bad in ("mean", 1, None):
-        with pytest.raises(ConfigError, match="rescore_group must be one of sum, softmax"):
+        with pytest.raises(ConfigError, match="rescore_group must be one of softmax, sum"):
             SparseConfig(method="self-index", options={"rescore_group": bad})
     with pytest.raises(ConfigError, match="k_axis"):
         SparseConfig(method="self-index", options={"k_axis": "block"})

@@ -383,6 +383,10 @@ def generate(
         capacity = input_ids.shape[1] + max_new_tokens
         # lossless: a compressing method (self-index) drafts from its storage, the verification reads 16-bit K/V
         cache = SparseCache(config, layer_infos(model), initial_capacity=capacity, keeps_plain_kv=lossless)
+        if not lossless and runtime.graph.mode is not False:
+            # the dense fallback is decided before the prompt is cached (a compressing method keeps no 16-bit K/V
+            # otherwise); lossless drafts are sparse whatever the length
+            cache.settle_fallback(device.type, input_ids.shape[0], input_ids.shape[1])
         logits = prefill(model, cache, input_ids, attention_mask)
         _synchronize(device)
         prefill_end = time.perf_counter()

@@ -460,6 +460,11 @@ class SparseCache(Cache):
         self.fallback_threshold = self.config.fallback_threshold(device_type)
         if not self.decodes_densely((prompt_tokens + 1) * batch):
             return
+        if any(layer.stores_kv and layer.selector is not None and layer.length > 0 for layer in self.layers):
+            # its prompt is cached compressed already: nothing at 16 bits to attend densely over, so the method
+            # decodes with its own step (a dense step would read the compressed layers' stand-in as K/V)
+            self.fallback_threshold = 0
+            return
         for layer in self.layers:
             if layer.stores_kv and layer.length == 0:
                 layer.selector = layer.pruner = None

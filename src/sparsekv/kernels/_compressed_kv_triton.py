@@ -24,10 +24,15 @@ from sparsekv.kernels._triton import check_grid, interpreting, next_pow2, row_gr
 # attention launch. precision "auto": 3xTF32 dots for float32 queries (float32 accuracy on tensor cores; plain IEEE
 # float32 dots run on the FMA units: 1481 us vs 195 us at 128K x B8 on the H200), one TF32 pass for 16-bit queries,
 # whose output rounding is coarser than TF32's (139 us; scripts/gpu_probe.py selfindex), and where the caller asks
-# for it (`tf32`: a 16-bit model's rotated float32 query)
-ATTN_TUNE = {"block": 32, "num_warps": 4, "precision": "auto", "sm_mult": 4}
-# re-rank of 3 x 2% of 128K x B8: 165 us with 32 tokens per program vs 202 us with 64 (4 warps)
-KEYS_TUNE = {"block": 32, "num_warps": 4}
+# for it (`tf32`: a 16-bit model's rotated float32 query). Each program attends about `split_keys` of a row's
+# selected tokens, and a launch has at least `min_programs_per_sm` programs per SM: at 128K x B4 (32 rows) and B8,
+# 2% selected, 16 tokens a tile with 2 warps and 80 tokens a program took 67.7 / 127.9 us, against 80.7 / 138.8 us
+# for 32 x 4 warps and 4 programs per SM, and 76.0 / 139.1 us with 96 tokens a program (scripts/gpu_probe.py
+# selfindex, PROBE_BATCH=4 / 8)
+ATTN_TUNE = {"block": 16, "num_warps": 2, "precision": "auto", "split_keys": 80, "min_programs_per_sm": 2}
+# re-rank of 3 x 2% of 128K: 16 tokens a program with 2 warps took 77.6 us at B4 and 147.1 us at B8, against 90.2 /
+# 170.3 us with 32 tokens and 4 warps, and 110.5 / 208.6 us with 64 (scripts/gpu_probe.py selfindex)
+KEYS_TUNE = {"block": 16, "num_warps": 2}
 
 
 @triton.jit
@@ -377,7 +382,8 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from, t
     block = ATTN_TUNE["block"]
     rows = b * h * q
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-    splits = max(1, min(triton.cdiv(ATTN_TUNE["sm_mult"] * sms, rows), triton.cdiv(kk, block)))
+    wanted = max(triton.cdiv(kk, ATTN_TUNE["split_keys"]), triton.cdiv(ATTN_TUNE["min_programs_per_sm"] * sms, rows))
+    splits = max(1, min(wanted, triton.cdiv(kk, block)))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
     splits = max(1, triton.cdiv(kk, split_len))
     o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
