@@ -650,6 +650,14 @@ def test_lut_topk_fixed_triton(impl, d, n, k):
     for r, c in enumerate(counts.tolist()):
         assert torch.equal(got[r, :c].sort().values, want[r, :c].sort().values), r
         assert not got[r, c:].any() and not want[r, c:].any(), r
+    # one count shared by every row, as a decode step's budget is: a stride-0 view over the rows
+    shared = torch.full((1,), k - 3, dtype=torch.int32, device=DEV).expand(b * hkv)
+    want, _ = lut_topk_fixed_reference(table, codes, k, written, forced, counts=shared.cpu().contiguous())
+    got, _ = lut.lut_topk_fixed_triton(*(t.to(DEV) for t in (table, codes)), k, written.to(DEV), forced.to(DEV),
+                                       counts=shared)  # fmt: skip
+    got, want = got.cpu().view(b * hkv, k), want.view(b * hkv, k)
+    for r in range(b * hkv):
+        assert torch.equal(got[r, : k - 3].sort().values, want[r, : k - 3].sort().values), r
 
 
 @here

@@ -506,6 +506,12 @@ def _sblock(chunk_len: int) -> int:
     return min(SELECT_TUNE["block"], triton.next_power_of_2(chunk_len))
 
 
+def _dense_counts(counts: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read row r's count at counts_ptr + r: one shared budget expanded over the rows (stride 0) is
+    copied out first, or every row past the first would read past the tensor."""
+    return counts if counts is None or counts.is_contiguous() else counts.contiguous()
+
+
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
                  window=None, n_load=None, counts=None):  # fmt: skip
     """Histogram levels of the radix select (level 0 skipped when a fused scoring kernel already wrote it).
@@ -519,6 +525,7 @@ def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc,
     rows, n = src.shape
     n_load = n if n_load is None else n_load
     base, top = window if window is not None else (None, 0)
+    counts = _dense_counts(counts)
     if hist is None:
         hist = torch.empty(levels, rows, num_chunks, 1 << nbits, dtype=torch.int32, device=src.device)
     chunk_len = bpc * block
@@ -551,6 +558,7 @@ def radix_compact(src, k, hist, *, lo, levels, nbits, is_float, block, num_chunk
     fills the rest with position 0."""
     rows, n = src.shape
     n_load = n if n_load is None else n_load
+    counts = _dense_counts(counts)
     chunk_len = bpc * block
     sb = _sblock(chunk_len)
     assert sb < 1 << 16, "the compaction packs two per-block counts into one int32 scan"

@@ -430,7 +430,8 @@ def row_counts(step: DecodeStep, b: int, s: int, q: int, k: int, scale: int = 1)
     shared = step.hints.shared if step.hints.shared is not None else {}
     key = ("row counts", b, s, q, k, scale)
     if key not in shared:
-        counts = (step.budgets * scale).clamp(max=k).to(torch.int32)[:, None, :].expand(b, s, q).reshape(-1)
+        # materialized (the kernels read counts[r] at counts_ptr + r, not through a stride-0 view)
+        counts = (step.budgets * scale).clamp(max=k).to(torch.int32)[:, None, :].expand(b, s, q).contiguous().view(-1)
         shared[key] = counts, torch.arange(k, device=counts.device) < counts.view(b, s, q, 1)
     return shared[key]
 
