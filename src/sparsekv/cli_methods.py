@@ -14,7 +14,7 @@ import typer
 from rich.table import Table
 
 from sparsekv.assets import haystack_text
-from sparsekv.cli import (
+from sparsekv.cli_options import (
     DenseLayersOpt,
     DeviceOpt,
     DtypeOpt,

@@ -121,7 +121,7 @@ def e2e(
 ) -> None:
     """Whole-model decode (TPOT, tokens/s), prefill time and peak GPU memory: dense vs a method, one run."""
     from sparsekv.bench.e2e import run_e2e, summary_rows
-    from sparsekv.cli import parse_budget, parse_layers, parse_options
+    from sparsekv.cli_options import parse_budget, parse_layers, parse_options
 
     result = run_e2e(
         model, layers=layers, context=context, batch=batch, method=method, budget=parse_budget(budget),
@@ -189,7 +189,7 @@ def generate(
     import torch.distributed as dist
 
     from sparsekv.bench.generate import decode_path, run_generate
-    from sparsekv.cli import parse_options
+    from sparsekv.cli_options import parse_options
 
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     rank = int(os.environ.get("RANK", "0"))
@@ -247,7 +247,7 @@ def _print_step_profile(row: str, profile: dict | None) -> None:
 
 def _layers(text: str | None) -> tuple[int, ...] | None:
     """--dense-layers: None (the config's default) or the parsed layer list."""
-    from sparsekv.cli import parse_layers
+    from sparsekv.cli_options import parse_layers
 
     return None if text is None else parse_layers(text)
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from sparsekv.cli import (
+from sparsekv.cli_options import (
     BudgetOpt,
     DenseLayersOpt,
     DeviceOpt,
@@ -88,7 +88,7 @@ def parse_depths(text: str) -> tuple[float, ...]:
 
 
 def parse_budgets(text: str) -> list[int | float]:
-    from sparsekv.cli import parse_budget
+    from sparsekv.cli_options import parse_budget
 
     budgets = [parse_budget(p.strip()) for p in text.split(",") if p.strip()]
     if not budgets:

@@ -323,7 +323,7 @@ class Progress:
 
     def __enter__(self) -> Self:
         if not self.quiet:
-            from rich import get_console  # the CLI's console (`sparsekv.cli.console`)
+            from rich import get_console  # the CLI's console (`sparsekv.cli_options.console`)
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,

@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from sparsekv.cli import load, parse_layers
+        from sparsekv.cli_options import load, parse_layers
         from sparsekv.config import ConfigError
         from sparsekv.training.capture import read_texts
         from sparsekv.training.trainer import TrainConfig, train_hash
