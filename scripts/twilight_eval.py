@@ -39,10 +39,11 @@ import sparsekv
 from sparsekv import SparseCache, SparseConfig
 from sparsekv.hf_compat import cache_kwargs
 from sparsekv.pruners.top_p import TopPPruner, budget_report, compact
-from sparsekv.selectors.base import DecodeStep, Selection, to_selection_heads
+from sparsekv.selectors.base import to_selection_heads
 from sparsekv.selectors.lsh import unique_ranks
 from sparsekv.selectors.oracle import exact_weights
 from sparsekv.selectors.quest import QuestSelector
+from sparsekv.step import DecodeStep, Selection
 
 ESTIMATORS = ("2", "4", "8", "exact")
 MEASURE_EVERY = 1  # score every n-th prune call of a layer with exact weights (--measure-every)

@@ -27,7 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tools", ("eval/", "bench/", "training/")),
     ("api", ("__init__.py", "api.py", "lossless.py")),
     ("decode", ("cache.py", "stats.py", "attention.py", "graph_decode.py")),
-    ("methods", ("selectors/", "pruners/", "prefill/")),
+    ("methods", ("selectors/", "pruners/", "prefill/", "step.py")),
     ("kernels", ("kernels/",)),
     ("platform", ("models.py", "assets.py", "hf_compat.py", "fingerprint.py")),
     ("config", ("config.py",)),

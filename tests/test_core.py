@@ -393,7 +393,7 @@ def test_cli_bench_without_a_gpu_says_so():
 
 
 def test_selection_mask_padding_never_clears_a_kept_index():
-    from sparsekv.selectors.base import Selection
+    from sparsekv.step import Selection
 
     indices = torch.tensor([[3, 3, 1, 1]])
     valid = torch.tensor([[True, False, False, True]])

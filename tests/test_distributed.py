@@ -149,8 +149,8 @@ def test_a_ranks_per_head_state_is_its_share_of_the_models():
     is cut to the rank's heads: rank 1 of 2 holds kv heads 2 and 3 of 4."""
     import dataclasses
 
-    from sparsekv.selectors.base import LayerInfo
     from sparsekv.selectors.spotlight import untrained_hash
+    from sparsekv.step import LayerInfo
 
     whole = LayerInfo(layer_idx=1, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=16, scaling=0.25)
     second = dataclasses.replace(whole, num_heads=4, num_kv_heads=2, shards=2, shard=1)

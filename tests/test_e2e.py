@@ -20,14 +20,8 @@ from sparsekv.attention import forced_tokens, step_hints, token_budgets
 from sparsekv.bench.e2e import COMPILE_RECOMPILE_LIMIT, greedy_match, run_e2e, synthetic_fill
 from sparsekv.cache import SparseCache
 from sparsekv.hf_compat import cache_kwargs
-from sparsekv.selectors.base import (
-    DecodeStep,
-    LayerInfo,
-    StepHints,
-    _uniform_topk,
-    host_budget,
-    topk_selection,
-)
+from sparsekv.selectors.base import _uniform_topk, host_budget, topk_selection
+from sparsekv.step import DecodeStep, LayerInfo, StepHints
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -108,7 +102,8 @@ def test_cpu_selection_ignores_hints():
 
 INTERP_CHECK = r"""
 import torch
-from sparsekv.selectors.base import DecodeStep, LayerInfo, StepHints, _int_topk_core
+from sparsekv.selectors.base import _int_topk_core
+from sparsekv.step import DecodeStep, LayerInfo, StepHints
 from sparsekv.selectors.spotlight import hamming_topk
 from sparsekv.attention import forced_tokens
 dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -154,7 +154,7 @@ def test_ruler_rejects_unknown_tasks_and_too_short_lengths():
 
 def test_compare_selection_iou_recall_and_mass_against_the_oracle():
     from sparsekv.eval.iou import compare_selection
-    from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection
+    from sparsekv.step import DecodeStep, LayerInfo, Selection
 
     layer = LayerInfo(layer_idx=2, num_layers=4, num_heads=1, num_kv_heads=1, head_dim=1, scaling=1.0)
     keys = torch.tensor([0.0, 1.0, 2.0, 3.0, 4.0, 5.0]).view(1, 1, 6, 1)

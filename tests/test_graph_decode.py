@@ -156,8 +156,8 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     keeping each row's own 3 x budget candidates in the select (a budget that stays the same over the run, 48
     tokens: every pick, no mask; 5%: each row's own count), the re-rank, and the stats counted on the host when
     the steps end, without kernels in the steps. The eager path's tokens and stats."""
-    from sparsekv.selectors.base import DecodeStep
     from sparsekv.selectors.self_index import device, selector
+    from sparsekv.step import DecodeStep
 
     counted, tails = [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
@@ -345,7 +345,8 @@ def test_selector_fixed_shape_step_keeps_the_eager_set_and_reads_no_device_value
 
     from sparsekv.attention import forced_tokens, token_budgets
     from sparsekv.registry import get_method_class
-    from sparsekv.selectors.base import DecodeStep, LayerInfo, StepHints, host_budget
+    from sparsekv.selectors.base import host_budget
+    from sparsekv.step import DecodeStep, LayerInfo, StepHints
 
     config = SparseConfig(method=method, budget=budget, sink=sink, local=local, gqa=gqa, options=options)
     layer = LayerInfo(2, 4, num_heads=4, num_kv_heads=2, head_dim=16, scaling=0.25)

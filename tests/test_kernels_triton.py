@@ -780,7 +780,7 @@ def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail,
 @pytest.mark.parametrize("options", [{}, {"sink_tokens": 0, "residual": 0}])
 def test_self_index_decode_step_on_kernels_equals_torch_path(options, monkeypatch):
     """SelfIndexSelector's re-rank and attention through the compressed-cache kernels == its torch path."""
-    from sparsekv.selectors.base import DecodeStep, StepHints
+    from sparsekv.step import DecodeStep, StepHints
     from tests.test_self_index import prefilled, selector
 
     gen = torch.Generator().manual_seed(5)

@@ -196,8 +196,8 @@ def test_auto_draft_counts_follow_measured_acceptance_and_step_times(real_model,
 def test_row_masked_fixed_steps_count_each_rows_own_visible_tokens():
     """Stats of a fixed-shape step whose rows see slots of their own (`BudgetStats.row_sums`): a row's masked draft
     slots are not part of its context, as in an eager step's `record`."""
-    from sparsekv.selectors.base import Selection
     from sparsekv.stats import BudgetStats
+    from sparsekv.step import Selection
 
     visible = torch.zeros(2, 1, 10, dtype=torch.bool)
     visible[0, 0, :8] = True  # row 0 sees 8 slots

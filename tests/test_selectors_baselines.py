@@ -11,7 +11,7 @@ import torch
 import sparsekv
 from sparsekv import SparseConfig
 from sparsekv.config import ConfigError
-from sparsekv.selectors.base import DecodeStep, LayerInfo
+from sparsekv.step import DecodeStep, LayerInfo
 
 
 def layer(heads=1, kv_heads=1, dim=2, scaling=1.0) -> LayerInfo:

@@ -25,7 +25,6 @@ from sparsekv.kernels.compressed_format import (
     unpack_bits,
 )
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
-from sparsekv.selectors.base import LayerInfo
 from sparsekv.selectors.self_index import (
     SelfIndexSelector,
     codes_from_sign_bits,
@@ -36,6 +35,7 @@ from sparsekv.selectors.self_index import (
     value_rotation,
 )
 from sparsekv.selectors.self_index.codes import _BITREV4
+from sparsekv.step import LayerInfo
 from tests.helpers import run_chunks
 
 
@@ -316,7 +316,7 @@ def test_compressed_keys_round_trip_error_and_signs():
 def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
     """kv_bits=16, rescore_group="sum" and rescore x budget >= all tokens: the second stage sees every token, so the
     selection is the exact group-summed q.k top-k (plus the sinks); with rescore=1 it stays the LUT's own top-k."""
-    from sparsekv.selectors.base import DecodeStep
+    from sparsekv.step import DecodeStep
 
     gen = torch.Generator().manual_seed(12)
     keys, values = torch.randn(1, 3, 200, 64, generator=gen), torch.randn(1, 3, 200, 64, generator=gen)
@@ -345,8 +345,8 @@ def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_cand
     head's attention summed over the group, oracle-topk's group rule, so the selection is oracle-topk's; the
     summed-query rule ("sum") is another set here. The kernels' per-head path (one op call that reads each key
     once for the group's heads) gives the torch branch's scores."""
-    from sparsekv.selectors.base import DecodeStep
     from sparsekv.selectors.self_index import device
+    from sparsekv.step import DecodeStep
 
     gen = torch.Generator().manual_seed(13)
     keys, values = torch.randn(1, 3, 200, 64, generator=gen), torch.randn(1, 3, 200, 64, generator=gen)
@@ -418,7 +418,7 @@ def test_compiled_rotation_is_the_matmul_and_the_output_needs_no_copy():
 
 
 def _decode_step(sel, query, n, budget):
-    from sparsekv.selectors.base import DecodeStep
+    from sparsekv.step import DecodeStep
 
     b = query.shape[0]
     visible = torch.ones(b, 1, n, dtype=torch.bool)
@@ -532,7 +532,7 @@ def test_sinks_kept_full_precision_and_always_selected():
     exact_k = keys.gather(2, pos[..., None].expand(-1, -1, -1, 64))
     torch.testing.assert_close(k_hat[:, :, 0], exact_k.bfloat16().float())
     # the selection puts them in whenever the budget allows
-    from sparsekv.selectors.base import DecodeStep
+    from sparsekv.step import DecodeStep
 
     visible = torch.ones(1, 1, 300, dtype=torch.bool)
     step = DecodeStep(query=query[:, :, -1:], keys=keys[..., :0], values=values[..., :0], visible=visible,
@@ -777,7 +777,8 @@ def test_measured_cache_memory_on_the_embedded_model(real_model):
 def test_device_top_k_path_selects_what_the_sorted_rule_selects(options):
     """Uniform steps on a GPU take torch.topk (no full sort, no host sync); the chosen set is the stable-sort rule's
     (random scores: no ties at the threshold). Run here on CPU by calling the device path directly."""
-    from sparsekv.selectors.base import DecodeStep, StepHints, to_selection_heads
+    from sparsekv.selectors.base import to_selection_heads
+    from sparsekv.step import DecodeStep, StepHints
 
     gen = torch.Generator().manual_seed(21)
     keys, values = torch.randn(2, 3, 300, 64, generator=gen), torch.randn(2, 3, 300, 64, generator=gen)

@@ -9,7 +9,6 @@ from sparsekv import SparseConfig
 from sparsekv.config import ConfigError
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
-from sparsekv.selectors.base import DecodeStep, LayerInfo
 from sparsekv.selectors.spotlight import (
     LayerHash,
     SpotlightSelector,
@@ -19,6 +18,7 @@ from sparsekv.selectors.spotlight import (
     save_checkpoint,
     softsign,
 )
+from sparsekv.step import DecodeStep, LayerInfo
 from sparsekv.training.loss import ranking_loss
 from sparsekv.training.trainer import TrainConfig, train_hash
 from tests.helpers import run_chunks

@@ -22,8 +22,9 @@ from sparsekv.pruners.top_p import (
     top_p_threshold_reference,
 )
 from sparsekv.registry import available_methods, get_method_class
-from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection, topk_selection
+from sparsekv.selectors.base import topk_selection
 from sparsekv.selectors.oracle import exact_weights, top_p_selection
+from sparsekv.step import DecodeStep, LayerInfo, Selection
 from tests.helpers import run_chunks
 
 LAYER = LayerInfo(layer_idx=2, num_layers=4, num_heads=6, num_kv_heads=2, head_dim=16, scaling=16**-0.5)

@@ -4,7 +4,8 @@ from sparsekv.api import GenerationResult, disable, enable, enabled, generate, l
 from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.registry import available_methods
-from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection, TokenSelector
+from sparsekv.selectors.base import TokenSelector
+from sparsekv.step import DecodeStep, LayerInfo, Selection
 
 __all__ = [
     "ConfigError",

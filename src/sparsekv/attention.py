@@ -21,7 +21,8 @@ from sparsekv.errors import ConfigError
 from sparsekv.graph_decode import GraphDecode
 from sparsekv.hf_compat import supported_range
 from sparsekv.kernels.sparse_attention import sparse_attention
-from sparsekv.selectors.base import DecodeStep, Selection, StepHints, host_budget
+from sparsekv.selectors.base import host_budget
+from sparsekv.step import DecodeStep, Selection, StepHints
 
 ATTENTION_NAME = "sparsekv"
 RUNTIME_ATTR = "_sparsekv_runtime"

@@ -8,8 +8,9 @@ from transformers.cache_utils import Cache, DynamicLayer
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.pruners.base import Pruner
 from sparsekv.registry import get_method_class, get_top_p_pruner
-from sparsekv.selectors.base import LayerInfo, TokenSelector, host_budget, tensor_nbytes
+from sparsekv.selectors.base import TokenSelector, host_budget, tensor_nbytes
 from sparsekv.stats import BudgetStats
+from sparsekv.step import LayerInfo
 
 #: projections whose output holds a layer's keys (plain or fused): a colwise TP rule on one shards the heads
 _KEY_PROJECTIONS = ("k_proj", "qkv_proj", "query_key_value")

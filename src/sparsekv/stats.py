@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekv.selectors.base import Selection
+from sparsekv.step import Selection
 
 
 def _visible_rows(visible: torch.Tensor, heads: int) -> torch.Tensor:

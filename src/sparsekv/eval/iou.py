@@ -29,8 +29,8 @@ from sparsekv.eval.common import (
     mean,
     sparse_pass,
 )
-from sparsekv.selectors.base import DecodeStep, Selection
 from sparsekv.selectors.oracle import exact_weights  # [B, S, Q, N]: the oracle's own weights
+from sparsekv.step import DecodeStep, Selection
 
 METRICS = ("iou", "recall", "mass", "oracle_mass")
 

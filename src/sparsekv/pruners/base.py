@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.config import SparseConfig
-from sparsekv.selectors.base import DecodeStep, LayerInfo, Selection
+from sparsekv.step import DecodeStep, LayerInfo, Selection
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 
 from sparsekv.config import ConfigError
 from sparsekv.pruners.base import Pruner
-from sparsekv.selectors.base import DecodeStep, Selection
+from sparsekv.step import DecodeStep, Selection
 
 SUPPORTED_BITS = (2, 4, 8)
 #: stop the bisection when the threshold bracket is narrower than this (in weights normalised to sum 1)

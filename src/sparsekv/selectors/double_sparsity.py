@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from sparsekv.config import ConfigError
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads, topk_selection
+from sparsekv.selectors.base import TokenSelector, to_selection_heads, topk_selection
 from sparsekv.selectors.lsh import unique_ranks
+from sparsekv.step import DecodeStep, Selection
 
 FORMAT = "sparsekv-double-sparsity-channels"
 PRECISIONS = ("int8", "fp8", "bf16", "fp16", "fp32")

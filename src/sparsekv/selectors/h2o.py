@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.config import ConfigError
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
+from sparsekv.selectors.base import TokenSelector, to_selection_heads
 from sparsekv.selectors.snapkv import prompt_attention
+from sparsekv.step import DecodeStep, Selection
 
 # priorities above any accumulated attention (at most one per query and head), exact in float64
 _RECENT, _FORCED = 2.0**50, 2.0**51

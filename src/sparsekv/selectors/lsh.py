@@ -18,9 +18,7 @@ from sparsekv.config import ConfigError
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
 from sparsekv.selectors.base import (
-    DecodeStep,
     RowBuffer,
-    Selection,
     TokenSelector,
     fixed_hamming_selection,
     fixed_int_topk_selection,
@@ -28,6 +26,7 @@ from sparsekv.selectors.base import (
     to_selection_heads,
     topk_selection,
 )
+from sparsekv.step import DecodeStep, Selection
 
 LSH_VARIANTS = ("simhash", "rotation")
 MAX_BITS = 4096

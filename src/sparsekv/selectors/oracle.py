@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from sparsekv.config import ConfigError
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, to_selection_heads
+from sparsekv.selectors.base import TokenSelector, to_selection_heads
+from sparsekv.step import DecodeStep, Selection
 
 
 def exact_weights(step: DecodeStep) -> torch.Tensor:

@@ -15,14 +15,9 @@ import torch
 
 from sparsekv.config import ConfigError
 from sparsekv.kernels.quest import quest_page_scores
-from sparsekv.selectors.base import (
-    DecodeStep,
-    Selection,
-    TokenSelector,
-    fixed_int_topk_selection,
-    topk_selection,
-)
+from sparsekv.selectors.base import TokenSelector, fixed_int_topk_selection, topk_selection
 from sparsekv.selectors.lsh import unique_ranks
+from sparsekv.step import DecodeStep, Selection
 
 
 @dataclass

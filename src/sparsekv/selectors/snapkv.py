@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from sparsekv.config import ConfigError
-from sparsekv.selectors.base import DecodeStep, TokenSelector, to_selection_heads
+from sparsekv.selectors.base import TokenSelector, to_selection_heads
+from sparsekv.step import DecodeStep
 
 POOLINGS = ("avg", "max")
 

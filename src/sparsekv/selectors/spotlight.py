@@ -46,16 +46,14 @@ from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.hamming import hamming_scores
 from sparsekv.selectors.base import (
-    DecodeStep,
-    LayerInfo,
     RowBuffer,
-    Selection,
     TokenSelector,
     fixed_hamming_selection,
     fixed_int_topk_selection,
     fused_hamming_selection,
     int_topk_selection,
 )
+from sparsekv.step import DecodeStep, LayerInfo, Selection
 
 HASH_KINDS = ("mlp", "linear")
 DEFAULT_BITS = 128

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector, maybe_compiled
+from sparsekv.selectors.base import TokenSelector, maybe_compiled
+from sparsekv.step import DecodeStep, Selection
 
 
 @dataclass

@@ -29,7 +29,8 @@ import torch
 
 from sparsekv.config import ConfigError
 from sparsekv.pruners.top_p import SUPPORTED_BITS, TopPPruner
-from sparsekv.selectors.base import DecodeStep, Selection, TokenSelector
+from sparsekv.selectors.base import TokenSelector
+from sparsekv.step import DecodeStep, Selection
 
 DEFAULT_TOP_P = 0.95
 DEFAULT_BASE = "lsh"

@@ -12,8 +12,8 @@ from sparsekv.kernels.compressed_kv import compressed_attention, compressed_key_
 from sparsekv.kernels.lut_score import group_query
 
 if TYPE_CHECKING:
-    from sparsekv.selectors.base import DecodeStep, Selection
     from sparsekv.selectors.self_index.store import CompressedStore
+    from sparsekv.step import DecodeStep, Selection
 
 
 def applies(kv: CompressedStore, step: DecodeStep) -> bool:

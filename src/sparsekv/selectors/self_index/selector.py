@@ -21,8 +21,6 @@ from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.kernels.select_within import select_within
 from sparsekv.kernels.sparse_attention import sparse_attention
 from sparsekv.selectors.base import (
-    DecodeStep,
-    Selection,
     TokenSelector,
     _force,
     every_index,
@@ -48,6 +46,7 @@ from sparsekv.selectors.self_index.store import (
     CompressedStore,
     quant_group_size,
 )
+from sparsekv.step import DecodeStep, Selection
 
 KV_BITS = (2, 4, 16)
 #: `rescore_group`'s rules (the first is the default)
