@@ -354,6 +354,12 @@ def test_select_topk_int_triton(impl, n, k, lo):
         want = select_topk_reference(src.cpu(), k, counts).view(6, k)
         for r, c in enumerate(counts.tolist()):
             assert torch.equal(got[r, :c].sort().values, want[r, :c].sort().values) and not got[r, c:].any(), r
+    # one count shared by the rows as a stride-0 view (a single sequence's budget over its heads)
+    shared = torch.full((1,), k - 2, dtype=torch.int32, device=DEV).expand(6)
+    got = impl["_topk_triton"].select_topk_int(scores, k, lo, lo + 59, shared).cpu().view(6, k)
+    want = select_topk_reference(scores.cpu(), k, shared.cpu().contiguous()).view(6, k)
+    for r in range(6):
+        assert torch.equal(got[r, : k - 2].sort().values, want[r, : k - 2].sort().values), r
 
 
 @here
