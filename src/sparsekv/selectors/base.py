@@ -10,6 +10,8 @@ min/max, quantized keys...) is per layer and per generation. The pipeline calls,
 
 A simple method only implements `score` (higher = keep); the shared `select` handles budgets, sink/local tokens,
 causality, padding and the GQA policy. A method with another selection rule (top-p, eviction) overrides `select`.
+The step and the selection themselves (`DecodeStep`, `LayerInfo`, `StepHints`, `Selection`) are step.py's, which
+the pruners share.
 """
 
 from __future__ import annotations
