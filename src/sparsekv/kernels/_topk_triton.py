@@ -509,7 +509,7 @@ def _sblock(chunk_len: int) -> int:
 def _dense_counts(counts: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels read row r's count at counts_ptr + r: one shared budget expanded over the rows (stride 0) is
     copied out first, or every row past the first would read past the tensor."""
-    return counts if counts is None or counts.is_contiguous() else counts.contiguous()
+    return None if counts is None else counts.contiguous()  # no copy where it already is
 
 
 def radix_levels(src, k, *, lo, levels, nbits, is_float, block, num_chunks, bpc, hist=None, first_done=False,
