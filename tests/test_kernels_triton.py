@@ -440,6 +440,39 @@ def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
 
 
 @here
+@pytest.mark.parametrize("d,q,expect", [(64, 1, 128), (64, 9, 64), (128, 1, 64), (40, 2, 128)])
+def test_sparse_attention_default_launch_triton(impl, d, q, expect):
+    """The launch a call gets without block / splits (`default_block`): narrow rows with few query rows take
+    twice the tokens a step; a list of 203 of 333 slots is no multiple of either block."""
+    kernel = impl["_sparse_attention_triton"]
+    gen = torch.Generator().manual_seed(d + q)
+    b, hq, hkv, n, k = 2, 6, 3, 333, 203
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    if q == 1:
+        indices = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(b * hkv)]).view(b, hkv, 1, k)
+        valid = torch.rand(b, hkv, 1, k, generator=gen) < 0.7
+        rows = hq // hkv
+    else:  # one list for every query: packed, G x Q query rows a program
+        indices = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+        valid = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).expand(b, hkv, q, n).clone()
+        rows = hq // hkv * q
+    valid[..., 0] = True
+    assert kernel.default_block(d, max(16, triton_next_pow2(rows))) == expect
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
+    shared = indices.to(DEV) if q == 1 else torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
+    out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, valid.to(DEV),
+                                         d**-0.5)  # fmt: skip
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-4, float(err)
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+@here
 @pytest.mark.parametrize(
     "mlp,resid,cols,early",
     [(True, False, 128, False), (False, False, 128, False), (True, True, 128, False), (False, True, 128, False),
