@@ -31,7 +31,8 @@ def _sparse_attention():
     valid = torch.rand(2, 2, 3, 9, generator=gen) > 0.3
     valid[..., 0] = True
     tickets = torch.zeros(2 * 2 * 3, dtype=torch.int32)
-    return [(query, keys, values, indices, valid, 0.2, None), (query, keys, values, indices, None, 0.2, tickets)]
+    return [(query, keys, values, indices, valid, 0.2, None, None), (query, keys, values, indices, None, 0.2, tickets, None),
+            (query, keys, values, indices, valid, 0.2, None, torch.tensor([5]))]  # fmt: skip
 
 
 def _codes(shape, gen):

@@ -230,6 +230,30 @@ def test_sparse_attention_rejects_bad_tickets(tickets, match):
         == query.shape  # fmt: skip
 
 
+@pytest.mark.parametrize("limit,match", [(torch.tensor([2.0]), "integer"), (torch.tensor([1, 2]), "one element")])
+def test_sparse_attention_rejects_bad_limits(limit, match):
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    query, keys = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 10, 8)
+    indices = torch.arange(3).expand(2, 2, 1, 3)
+    with pytest.raises(ValueError, match=match):
+        sparse_attention(query, keys, keys, indices, None, 0.3, limit=limit)
+
+
+def test_sparse_attention_limit_stops_every_index_list():
+    """The entries of an index list from `limit` on are not attended: the same as marking them invalid."""
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(3)
+    query, keys, values = torch.randn(2, 4, 2, 8, generator=gen), *torch.randn(2, 2, 2, 10, 8, generator=gen)
+    indices = torch.arange(10).expand(2, 2, 2, 10)
+    valid = torch.ones(2, 2, 2, 10, dtype=torch.bool)
+    limited = sparse_attention(query, keys, values, indices, valid, 0.3, limit=torch.tensor([6]))
+    valid[..., 6:] = False
+    assert torch.equal(limited, sparse_attention(query, keys, values, indices, valid, 0.3))
+    assert not torch.allclose(limited, sparse_attention(query, keys, values, indices, None, 0.3))
+
+
 def test_select_within_reference_keeps_each_rows_budget_in_index_order():
     from sparsekv.kernels.select_within import select_within_reference
 

@@ -468,6 +468,32 @@ def test_sparse_attention_default_launch_triton(impl, d, q, expect):
     assert err < 1e-4, float(err)
 
 
+@here
+@pytest.mark.parametrize("q,limit,splits", [(1, 150, 3), (1, 40, 4), (9, 290, 2), (9, 333, 1)])
+def test_sparse_attention_limit_triton(impl, q, limit, splits):
+    """`limit`: only the first entries of each list are read; a split that starts past it stores an empty
+    partial (limit 40 of 4 splits of 208 leaves three of them empty)."""
+    kernel = impl["_sparse_attention_triton"]
+    gen = torch.Generator().manual_seed(limit)
+    b, hq, hkv, n, d = 2, 6, 3, 333, 64
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    indices = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+    valid = torch.rand(b, 1, 1, n, generator=gen) < 0.8
+    valid = (valid & (torch.arange(n)[None, :] <= torch.arange(limit - q, limit)[:, None])).expand(b, hkv, q, n)
+    valid = valid.clone()
+    valid[..., 0] = True
+    everywhere = valid.clone()
+    everywhere[..., limit:] = True  # valid past the limit too: only the limit keeps those entries out
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
+    shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
+    out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, everywhere.to(DEV),
+                                         d**-0.5, splits=splits, limit=torch.tensor([limit], device=DEV))  # fmt: skip
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-4, float(err)
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 

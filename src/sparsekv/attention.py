@@ -327,6 +327,16 @@ def _row_stats(cache: SparseCache, visible: torch.Tensor, heads: int) -> tuple[t
     return cache.fixed_step[name]
 
 
+def _written(cache: SparseCache, q_len: int) -> torch.Tensor:
+    """[1]: the slots written once a fixed-shape forward of `q_len` tokens has stored its own, where its dense
+    reads of the buffer stop (`sparse_attention`'s limit): a buffer preallocated for the whole generation is
+    read as far as it is filled. Built once per step."""
+    name = f"written{q_len}"
+    if name not in cache.fixed_step:
+        cache.fixed_step[name] = cache.fixed_position + q_len
+    return cache.fixed_step[name]
+
+
 def _verify_attention(query, key, value, cache: SparseCache, scale: float, window: int | None) -> torch.Tensor:
     """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
     queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
@@ -336,7 +346,8 @@ def _verify_attention(query, key, value, cache: SparseCache, scale: float, windo
     heads = key.shape[1]
     every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
     seen = _verify_mask(cache, q_len, window).expand(batch, heads, -1, -1)
-    return sparse_attention(query, key, value, every, seen, scale).transpose(1, 2).contiguous()
+    out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len))
+    return out.transpose(1, 2).contiguous()
 
 
 def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
@@ -374,7 +385,8 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
             visible = _window_visible(cache, info.window).expand(batch, q_len, -1)
         heads = key.shape[1]
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
-        out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale)
+        out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale,
+                               limit=_written(cache, q_len))  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,

@@ -116,6 +116,7 @@ def _partial_kernel(
     lse_ptr,
     out_ptr,
     tickets_ptr,
+    limit_ptr,
     S,
     Q,
     K,
@@ -151,6 +152,7 @@ def _partial_kernel(
     PREC: tl.constexpr = "tf32",
     USE_PDL: tl.constexpr = False,
     PACKED: tl.constexpr = False,
+    LIMIT: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     sp, r = chunk_and_row()
@@ -183,6 +185,8 @@ def _partial_kernel(
     acc = tl.zeros([GP, DP], dtype=tl.float32)
     start = sp * split_len
     end = tl.minimum(start + split_len, K)
+    if LIMIT:  # entries from the limit on are not read (a split past it stores an empty partial)
+        end = tl.minimum(end, tl.load(limit_ptr).to(tl.int32))
     for j in range(start, end, BLOCK):
         offs = j + tl.arange(0, BLOCK)
         jm = offs < end
@@ -236,9 +240,10 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl
 
 def sparse_attention_triton(
     query, keys, values, indices, valid, scaling, *, tickets=None, block: int | None = None,
-    splits: int | None = None, merge: bool | None = None,
+    splits: int | None = None, merge: bool | None = None, limit=None,
 ):
-    """merge: whether the rows' last splits merge the partials (needs `tickets`); None decides by the grid."""
+    """merge: whether the rows' last splits merge the partials (needs `tickets`); None decides by the grid.
+    limit: see `sparse_attention.sparse_attention`."""
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
     s, kk = indices.shape[1], indices.shape[3]
@@ -289,6 +294,7 @@ def sparse_attention_triton(
         lse,
         out,
         tickets if merge else lse,
+        limit if limit is not None else lse,
         s,
         q,
         kk,
@@ -315,6 +321,7 @@ def sparse_attention_triton(
         num_warps=TUNE["num_warps"],
         num_stages=TUNE["num_stages"],
         PACKED=pack > 1,
+        LIMIT=limit is not None,
         **pdl_launch(query.device),
     )
     if merge:

@@ -22,14 +22,18 @@ def sparse_attention_reference(
     scaling: float,
     *,
     tickets: torch.Tensor | None = None,
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq
-    (valid None: every index is valid). tickets: see `sparse_attention` (the result does not depend on it).
+    (valid None: every index is valid). tickets, limit: see `sparse_attention` (tickets do not change the result;
+    the entries of an index list from `limit` on count as invalid).
 
     Returns [B, Hq, Q, d]. Every row must have at least one valid index.
     """
     if valid is None:
         valid = torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
+    if limit is not None:
+        valid = valid & (torch.arange(indices.shape[-1], device=indices.device) < limit.view(()))
     num_heads = query.shape[1]
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     mask = selection_mask(indices, valid, num_keys)
@@ -50,20 +54,30 @@ def sparse_attention(
     scaling: float,
     *,
     tickets: torch.Tensor | None = None,
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op `sparsekv::sparse_attention`: the split-K Triton kernel on CUDA (any Q, GQA through S), the
     reference elsewhere.
 
     tickets: int32 [B * S * Q] zeros, owned by the caller and zero again after each call (e.g. a selector's
     `RowBuffer`): the split-K kernel then merges each row's partial outputs in the row's last program, one launch
-    fewer. One call at a time per buffer (the counters are shared state)."""
+    fewer. One call at a time per buffer (the counters are shared state).
+    limit: an integer tensor of one element on the query's device: only the first `limit` entries of each index
+    list are read, the others count as invalid. A fixed-shape step lists every slot of its preallocated buffer
+    and passes the written ones, a device value: its graph then reads as far as the cache is filled, not the
+    buffer's capacity."""
+    if limit is not None:
+        if limit.numel() != 1 or limit.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"limit must be an integer tensor of one element, got {limit.dtype} {tuple(limit.shape)}")
+        if limit.device != query.device:
+            raise ValueError(f"limit is on {limit.device}, the query on {query.device}")
     if tickets is not None:
         rows = indices.shape[0] * indices.shape[1] * indices.shape[2]
         if tickets.dtype != torch.int32 or tickets.numel() < rows or not tickets.is_contiguous():
             raise ValueError(f"tickets must be a contiguous int32 tensor of at least {rows} zeros")
         if tickets.device != query.device:
             raise ValueError(f"tickets are on {tickets.device}, the query on {query.device}")
-    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets)
+    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets, limit)
 
 
 @torch.library.custom_op("sparsekv::sparse_attention", mutates_args=("tickets",))
@@ -75,13 +89,14 @@ def _sparse_attention_op(
     valid: torch.Tensor | None,
     scaling: float,
     tickets: torch.Tensor | None,
+    limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU (and any device without its own kernel): the reference."""
-    return sparse_attention_reference(query, keys, values, indices, valid, scaling)
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit)
 
 
 @_sparse_attention_op.register_kernel("cuda")
-def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets):
+def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets, limit=None):
     from sparsekv.kernels._triton import use_triton
 
     if (
@@ -92,10 +107,10 @@ def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets
     ):
         from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
 
-        return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets)
-    return sparse_attention_reference(query, keys, values, indices, valid, scaling)
+        return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets, limit=limit)
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit)
 
 
 @_sparse_attention_op.register_fake
-def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets):
+def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets, limit=None):
     return torch.empty_like(query)
