@@ -530,6 +530,7 @@ def test_bench_generate_lossless_rows_report_their_drafts():
                           new_tokens=12, warmup=2, device="cpu")  # fmt: skip
     for row in result["summary"]:
         assert row["tpot_ms"] > 0 and row["tokens_per_verification"] >= 1 and row["acceptance_rate"] is not None
+        assert row["timed_rounds"] >= 1 and row["capture_rounds_left_out"] == 0  # CPU: nothing captured
         assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1
 
 

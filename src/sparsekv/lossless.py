@@ -37,8 +37,9 @@ class DraftCounts:
     rows_verified: int = 0  # unfinished rows over those forwards: each produced its accepted drafts + one token
     #: rounds per path: "eager: <why>", "graph" (CUDA graphs), "fixed-shape" (the same steps without graphs)
     paths: dict[str, int] = field(default_factory=dict)
-    #: per round: (perf_counter() once its tokens are on the host, tokens the rows took, rows that were unfinished)
-    timeline: list[tuple[float, int, int]] = field(default_factory=list)
+    #: per round: (perf_counter() once its tokens are on the host, tokens the rows took, rows that were unfinished,
+    #: whether it captured no graph: a round that captures one, once per generation and step shape, is not steady)
+    timeline: list[tuple[float, int, int, bool]] = field(default_factory=list)
     rejected: int = 0  # rows whose drafts met a rejection in a round (the others accepted every draft)
     #: fixed-shape rounds: seconds in draft steps and in verifications, and how many of each (CUDA events)
     draft_seconds: float = 0.0
@@ -370,6 +371,7 @@ class CapturedRounds:
         self.graphs: dict[str, tuple] = {}  # step name -> (graph, its output)
         self.path = "graph" if self.device.type == "cuda" else "fixed-shape"
         self.dense_rounds = 0  # rounds that chose no drafts (draft_tokens="auto")
+        self.captured = False  # whether the last round captured a graph
 
     def _inputs(self, tokens: int) -> dict[str, torch.Tensor]:
         zeros = torch.zeros(self.batch, tokens, dtype=torch.long, device=self.device)
@@ -472,7 +474,8 @@ class CapturedRounds:
             layer.length = self.slot
         counts.add_round(gamma, agree, active)
         counts.drafts_per_round[gamma] = counts.drafts_per_round.get(gamma, 0) + 1
-        if len(self.graphs) == graphs:  # a round that captured a graph is not timed
+        self.captured = len(self.graphs) != graphs
+        if not self.captured:  # a round that captured a graph is not timed
             drafting, verifying = clock.seconds()
             if gamma:
                 counts.draft_seconds += drafting
@@ -523,9 +526,11 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
     try:
         while not out.done:
             before = [len(row) for row in out.rows]
+            steady = True  # a round that captured no graph
             if rounds is not None:
                 rounds.round(latest, sampler, out, counts)
                 counts.count(rounds.path)
+                steady = not rounds.captured
             else:
                 speculate(decoder, sampler, latest, AUTO_EAGER_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens,
                           out, counts)  # fmt: skip
@@ -537,7 +542,7 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
                     rounds = CapturedRounds(model, decoder, draft_tokens, capacity, step_forward)
             taken = [row[n:] for row, n in zip(out.rows, before)]
             active = sum(n < out.max_new for n in before)  # an EOS row is counted until its round
-            counts.timeline.append((time.perf_counter(), sum(map(len, taken)), active))
+            counts.timeline.append((time.perf_counter(), sum(map(len, taken)), active, steady))
             if on_tokens is not None:
                 on_tokens(taken)
             latest = torch.tensor([row[-1] for row in out.rows], device=first.device)  # finished rows: any token

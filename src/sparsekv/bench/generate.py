@@ -252,8 +252,9 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
                    dense_layers: tuple[int, ...] | None) -> dict:  # fmt: skip
     """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, each row at its own pace; the rounds'
     timeline (`DraftCounts.timeline`) gives TPOT as the seconds per token of a row over the rounds after the first
-    `warmup` tokens of a row and while every row is still decoding (the first round runs eagerly, the next one
-    captures the graphs)."""
+    `warmup` tokens of a row and while every row is still decoding, steady rounds only: a round that captures a
+    graph (the first fixed-shape one, and with `auto` the first round of each new number of drafts, which may come
+    after the warm-up) is left out, as the dense rows leave their capture step out in the warm-up."""
     import sparsekv
 
     if prefill_chunk_size is not None:
@@ -279,12 +280,17 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
     except torch.OutOfMemoryError as error:
         return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
     taken, seconds, tokens, last = batch, 0.0, 0, clock.times[1]  # the first token: one per row
-    for at, got, active in drafts.timeline:
+    timed = left_out = 0
+    for at, got, active, steady in drafts.timeline:
         if taken >= (warmup + 1) * batch and active == batch:
-            seconds, tokens = seconds + at - last, tokens + got
+            if steady:
+                seconds, tokens, timed = seconds + at - last, tokens + got, timed + 1
+            else:
+                left_out += 1
         taken, last = taken + got, at
     if not tokens:
-        return result | {"error": f"no round after {warmup} warm-up tokens with every row decoding: raise --new-tokens"}
+        return result | {"error": f"no round without a capture after {warmup} warm-up tokens with every row "
+                                  "decoding: raise --new-tokens"}  # fmt: skip
     tpot = seconds * batch / tokens
     return result | {
         "tpot_ms": 1e3 * tpot,
@@ -301,6 +307,8 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
         "draft_step_ms": 1e3 * drafts.draft_seconds / drafts.draft_steps if drafts.draft_steps else None,
         "verify_ms": 1e3 * drafts.verify_seconds / drafts.verify_steps if drafts.verify_steps else None,
         "timed_tokens_per_row": tokens / batch,
+        "timed_rounds": timed,
+        "capture_rounds_left_out": left_out,
     }
 
 
