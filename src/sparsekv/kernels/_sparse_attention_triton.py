@@ -27,6 +27,8 @@ from sparsekv.kernels._triton import (
 
 # launch parameters (the kernel benchmark sweeps them): tokens per step, programs per SM, warps, stages
 TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
+#: the most query rows (heads x queries) one program of a packed call holds (its accumulator is rows x d floats)
+PACKED_ROWS = 64
 #: where a K/V row has at most this many channels and a program holds at most 16 query rows, a step takes twice
 #: TUNE's tokens (the same 16 KB tile of 128-channel rows). H200, graph replays, the embedded model's shapes (64
 #: channels, 3 kv heads x 3 query heads, B128): the dense step's attention over 8,448 slots 259.5 -> 200.7 us (the
@@ -39,8 +41,6 @@ def default_block(channels: int, query_rows: int) -> int:
     """Tokens per step of a program with `query_rows` query rows (heads x packed queries) of `channels` each."""
     wide = channels <= NARROW_CHANNELS and query_rows <= 16
     return 2 * TUNE["block"] if wide else TUNE["block"]
-#: the most query rows (heads x queries) one program of a packed call holds (its accumulator is rows x d floats)
-PACKED_ROWS = 64
 
 
 def dot_precision(dtype: torch.dtype) -> str:
