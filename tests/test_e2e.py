@@ -534,6 +534,16 @@ def test_bench_generate_lossless_rows_report_their_drafts():
         assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1
 
 
+def test_lossless_tpot_leaves_out_the_warm_up_finished_rows_and_capture_rounds():
+    """Two rows, first tokens at t=0: round 1 (warm-up) and round 3 (a capture) are left out, round 5 has a
+    finished row; rounds 2 and 4 count: 0.3 s for 2 x 4 tokens, 0.075 s a token of a row."""
+    from sparsekv.bench.generate import rounds_tpot
+
+    timeline = [(1.0, 4, 2, True), (1.1, 4, 2, True), (2.0, 8, 2, False), (2.2, 4, 2, True), (2.3, 4, 1, True)]
+    assert rounds_tpot(timeline, batch=2, warmup=1, first_token_at=0.0) == (pytest.approx(0.075), 2, 1, 8)
+    assert rounds_tpot(timeline[:1], batch=2, warmup=1, first_token_at=0.0)[0] is None
+
+
 def test_bench_generate_lossless_rows_keep_the_dense_layers_and_top_p_they_are_given(monkeypatch):
     from sparsekv.bench import generate
 

@@ -279,19 +279,10 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
             stats = sparsekv.last_cache(model).stats.summary()
     except torch.OutOfMemoryError as error:
         return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
-    taken, seconds, tokens, last = batch, 0.0, 0, clock.times[1]  # the first token: one per row
-    timed = left_out = 0
-    for at, got, active, steady in drafts.timeline:
-        if taken >= (warmup + 1) * batch and active == batch:
-            if steady:
-                seconds, tokens, timed = seconds + at - last, tokens + got, timed + 1
-            else:
-                left_out += 1
-        taken, last = taken + got, at
-    if not tokens:
+    tpot, timed, left_out, tokens = rounds_tpot(drafts.timeline, batch, warmup, clock.times[1])
+    if tpot is None:
         return result | {"error": f"no round without a capture after {warmup} warm-up tokens with every row "
                                   "decoding: raise --new-tokens"}  # fmt: skip
-    tpot = seconds * batch / tokens
     return result | {
         "tpot_ms": 1e3 * tpot,
         "step_ms": None,
@@ -310,6 +301,23 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
         "timed_rounds": timed,
         "capture_rounds_left_out": left_out,
     }
+
+
+def rounds_tpot(timeline, batch: int, warmup: int, first_token_at: float):
+    """Lossless rounds' TPOT from their timeline (`DraftCounts.timeline`; the first token of every row reached the
+    host at `first_token_at`): a round's seconds are its end minus the previous round's; the rounds counted come
+    after `warmup` tokens a row, with every row decoding, and captured no graph. -> (seconds per token of a row or
+    None, rounds counted, rounds left out for a capture, tokens counted)."""
+    taken, seconds, tokens, last = batch, 0.0, 0, first_token_at
+    timed = left_out = 0
+    for at, got, active, steady in timeline:
+        if taken >= (warmup + 1) * batch and active == batch:
+            if steady:
+                seconds, tokens, timed = seconds + at - last, tokens + got, timed + 1
+            else:
+                left_out += 1
+        taken, last = taken + got, at
+    return (seconds * batch / tokens if tokens else None), timed, left_out, tokens
 
 
 def embedded_prompts(tokenizer, batch: int, context: int) -> torch.Tensor:
