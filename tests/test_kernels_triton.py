@@ -459,7 +459,7 @@ def test_sparse_attention_default_launch_triton(impl, d, q, expect):
         valid = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).expand(b, hkv, q, n).clone()
         rows = hq // hkv * q
     valid[..., 0] = True
-    assert kernel.default_block(d, max(16, triton_next_pow2(rows))) == expect
+    assert kernel.default_block(d, max(16, kernel.next_pow2(rows))) == expect
     ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
     shared = indices.to(DEV) if q == 1 else torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
     out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, valid.to(DEV),
@@ -472,7 +472,7 @@ def test_sparse_attention_default_launch_triton(impl, d, q, expect):
 @pytest.mark.parametrize("q,limit,splits", [(1, 150, 3), (1, 40, 4), (9, 290, 2), (9, 333, 1)])
 def test_sparse_attention_limit_triton(impl, q, limit, splits):
     """`limit`: only the first entries of each list are read; a split that starts past it stores an empty
-    partial (limit 40 of 4 splits of 208 leaves three of them empty)."""
+    partial (limit 40 leaves every split but the first empty)."""
     kernel = impl["_sparse_attention_triton"]
     gen = torch.Generator().manual_seed(limit)
     b, hq, hkv, n, d = 2, 6, 3, 333, 64
@@ -492,10 +492,6 @@ def test_sparse_attention_limit_triton(impl, q, limit, splits):
                                          d**-0.5, splits=splits, limit=torch.tensor([limit], device=DEV))  # fmt: skip
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-4, float(err)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @here
