@@ -254,6 +254,23 @@ def test_sparse_attention_limit_stops_every_index_list():
     assert not torch.allclose(limited, sparse_attention(query, keys, values, indices, None, 0.3))
 
 
+def test_sparse_attention_causal_ends_each_query_at_its_own_entry():
+    """causal: the Q entries just below `limit` are the queries' own tokens; query i reads up to its own. The
+    same as a mask row per query; without `limit` it is refused."""
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(4)
+    query, keys, values = torch.randn(2, 4, 3, 8, generator=gen), *torch.randn(2, 2, 2, 12, 8, generator=gen)
+    indices = torch.arange(12).expand(2, 2, 3, 12)
+    kept = (torch.rand(2, 1, 1, 12, generator=gen) < 0.7) | (torch.arange(12) == 0)
+    causal = sparse_attention(query, keys, values, indices, kept.expand(2, 2, 3, 12), 0.3, limit=torch.tensor([9]),
+                              causal=True)  # fmt: skip
+    own = torch.arange(12)[None, :] <= torch.tensor([6, 7, 8])[:, None]  # [Q, K]: queries at entries 6, 7, 8
+    assert torch.equal(causal, sparse_attention(query, keys, values, indices, (kept & own).expand(2, 2, 3, 12), 0.3))
+    with pytest.raises(ValueError, match="causal attention needs `limit`"):
+        sparse_attention(query, keys, values, indices, None, 0.3, causal=True)
+
+
 def test_select_within_reference_keeps_each_rows_budget_in_index_order():
     from sparsekv.kernels.select_within import select_within_reference
 

@@ -440,10 +440,12 @@ def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
 
 
 @here
-@pytest.mark.parametrize("d,q,expect", [(64, 1, 128), (64, 9, 64), (128, 1, 64), (40, 2, 128)])
-def test_sparse_attention_default_launch_triton(impl, d, q, expect):
+@pytest.mark.parametrize("d,q,causal,expect", [(64, 1, False, 128), (64, 9, False, 64), (64, 9, True, 128),
+                                                (128, 1, False, 64), (40, 2, False, 128), (128, 9, True, 64)])  # fmt: skip
+def test_sparse_attention_default_launch_triton(impl, d, q, causal, expect):
     """The launch a call gets without block / splits (`default_block`): narrow rows with few query rows take
-    twice the tokens a step; a list of 203 of 333 slots is no multiple of either block."""
+    twice the tokens a step, and up to twice as many query rows where the queries share one valid row (causal);
+    a list of 203 of 333 slots is no multiple of either block."""
     kernel = impl["_sparse_attention_triton"]
     gen = torch.Generator().manual_seed(d + q)
     b, hq, hkv, n, k = 2, 6, 3, 333, 203
@@ -459,11 +461,15 @@ def test_sparse_attention_default_launch_triton(impl, d, q, expect):
         valid = (torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]).expand(b, hkv, q, n).clone()
         rows = hq // hkv * q
     valid[..., 0] = True
-    assert kernel.default_block(d, max(16, kernel.next_pow2(rows))) == expect
+    assert kernel.default_block(d, max(16, kernel.next_pow2(rows)), row_per_query=q > 1 and not causal) == expect
     ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
     shared = indices.to(DEV) if q == 1 else torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
-    out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, valid.to(DEV),
-                                         d**-0.5)  # fmt: skip
+    if causal:  # the same mask as causality from the limit, without a valid row
+        out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, None, d**-0.5,
+                                             limit=torch.tensor([n], device=DEV), causal=True)  # fmt: skip
+    else:
+        out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, valid.to(DEV),
+                                             d**-0.5)  # fmt: skip
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-4, float(err)
 
@@ -490,6 +496,31 @@ def test_sparse_attention_limit_triton(impl, q, limit, splits):
     shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
     out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, everywhere.to(DEV),
                                          d**-0.5, splits=splits, limit=torch.tensor([limit], device=DEV))  # fmt: skip
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-4, float(err)
+
+
+@here
+@pytest.mark.parametrize("q,limit,splits,masked", [(9, 290, 2, True), (9, 333, 1, False), (5, 77, 3, True),
+                                                   (2, 150, 1, True)])  # fmt: skip
+def test_sparse_attention_causal_triton(impl, q, limit, splits, masked):
+    """`causal`: each of the Q queries stops at its own entry below `limit`, under one valid row shared by every
+    query (masked) or none; the packed kernel reads that row once a block (q 2, 5, 9: not powers of two)."""
+    kernel = impl["_sparse_attention_triton"]
+    gen = torch.Generator().manual_seed(limit + q)
+    b, hq, hkv, n, d = 2, 6, 3, 333, 64
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    indices = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+    kept = (torch.rand(b, 1, 1, n, generator=gen) < 0.8) | (torch.arange(n) == 0) if masked else None
+    own = torch.arange(n)[None, :] <= torch.arange(limit - q, limit)[:, None]
+    valid = (own if kept is None else kept & own).expand(b, hkv, q, n)
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
+    shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
+    row = None if kept is None else kept.to(DEV).expand(b, hkv, q, n)  # stride 0 over the queries
+    out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, row, d**-0.5,
+                                         splits=splits, limit=torch.tensor([limit], device=DEV), causal=True)  # fmt: skip
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-4, float(err)
 

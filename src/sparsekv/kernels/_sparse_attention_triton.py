@@ -29,17 +29,19 @@ from sparsekv.kernels._triton import (
 TUNE = {"block": 64, "sm_mult": 4, "num_warps": 4, "num_stages": 3}
 #: the most query rows (heads x queries) one program of a packed call holds (its accumulator is rows x d floats)
 PACKED_ROWS = 64
-#: where a K/V row has at most this many channels and a program holds at most 16 query rows, a step takes twice
-#: TUNE's tokens (the same 16 KB tile of 128-channel rows). H200, graph replays, the embedded model's shapes (64
-#: channels, 3 kv heads x 3 query heads, B128): the dense step's attention over 8,448 slots 259.5 -> 200.7 us (the
-#: bytes take 195 us), over 820 listed slots 37.3 -> 31.6 us; a verification's 9 queries x 3 heads (32 rows) took
-#: 389 us with 128 tokens against 320 with 64. 128-channel rows (Llama 3 8B's) were fastest at 64 tokens.
+#: where a K/V row has at most this many channels, a step takes twice TUNE's tokens (the same 16 KB tile of
+#: 128-channel rows) while its program holds at most 16 query rows, or 32 that share one valid row. H200, graph
+#: replays, the embedded model's shapes (64 channels, 3 kv heads x 3 query heads, B128): the dense step's attention
+#: over 8,448 slots 259.5 -> 200.7 us (the bytes take 195 us), over 820 listed slots 37.3 -> 31.6 us; a
+#: verification's 9 queries x 3 heads (32 rows) with a causal limit and one valid row 374.9 -> 269.8 us, with a
+#: valid row per query 320 us at 64 tokens against 389 at 128. 128-channel rows (Llama 3 8B's) were fastest at 64.
 NARROW_CHANNELS = 64
 
 
-def default_block(channels: int, query_rows: int) -> int:
-    """Tokens per step of a program with `query_rows` query rows (heads x packed queries) of `channels` each."""
-    wide = channels <= NARROW_CHANNELS and query_rows <= 16
+def default_block(channels: int, query_rows: int, row_per_query: bool = False) -> int:
+    """Tokens per step of a program with `query_rows` query rows (heads x packed queries) of `channels` each;
+    row_per_query: each query row loads its own valid row every step."""
+    wide = channels <= NARROW_CHANNELS and query_rows <= (16 if row_per_query else 32)
     return 2 * TUNE["block"] if wide else TUNE["block"]
 
 
@@ -153,6 +155,8 @@ def _partial_kernel(
     USE_PDL: tl.constexpr = False,
     PACKED: tl.constexpr = False,
     LIMIT: tl.constexpr = False,
+    VALID_PER_QUERY: tl.constexpr = True,
+    CAUSAL: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     sp, r = chunk_and_row()
@@ -186,7 +190,10 @@ def _partial_kernel(
     start = sp * split_len
     end = tl.minimum(start + split_len, K)
     if LIMIT:  # entries from the limit on are not read (a split past it stores an empty partial)
-        end = tl.minimum(end, tl.load(limit_ptr).to(tl.int32))
+        written = tl.load(limit_ptr).to(tl.int32)
+        end = tl.minimum(end, written)
+        # causal: query i's own token is entry written - Q + i, the last it reads
+        last = written - Q + query_of
     for j in range(start, end, BLOCK):
         offs = j + tl.arange(0, BLOCK)
         jm = offs < end
@@ -199,13 +206,18 @@ def _partial_kernel(
         # V issued with K: both gathers are in flight before the first dot needs K
         vt = tl.load(v_base + idx[:, None] * svn + d[None, :], mask=ok[:, None] & dmask[None, :], other=0.0)
         sc = tl.dot(q, tl.trans(kt), input_precision=PREC) * qk_scale  # [GP, BLOCK], log2 domain
-        if VALID and PACKED:
+        if VALID and PACKED and VALID_PER_QUERY:
             # packed, the grid has one query row (qi = 0): query_of is the query's index
             seen = tl.load(vl_base + query_of[:, None].to(tl.int64) * svlq + offs[None, :],
                            mask=hmask[:, None] & jm[None, :], other=0) != 0  # fmt: skip
-            sc = tl.where(seen & jm[None, :], sc, float("-inf"))
+            attended = seen & jm[None, :]
+        elif VALID and PACKED:  # one valid row for every query: one [BLOCK] load, not [G x Q, BLOCK]
+            attended = (jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0))[None, :]
         else:
-            sc = tl.where(ok[None, :], sc, float("-inf"))
+            attended = ok[None, :]
+        if CAUSAL:
+            attended = attended & (offs[None, :] <= last[:, None])
+        sc = tl.where(attended, sc, float("-inf"))
         m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
         acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
     row = (b.to(tl.int64) * HQ + s * G + head_of) * Q + query_of  # [GP] rows of the (B, Hq, Q) output
@@ -240,10 +252,10 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl
 
 def sparse_attention_triton(
     query, keys, values, indices, valid, scaling, *, tickets=None, block: int | None = None,
-    splits: int | None = None, merge: bool | None = None, limit=None,
+    splits: int | None = None, merge: bool | None = None, limit=None, causal: bool = False,
 ):
     """merge: whether the rows' last splits merge the partials (needs `tickets`); None decides by the grid.
-    limit: see `sparse_attention.sparse_attention`."""
+    limit, causal: see `sparse_attention.sparse_attention`."""
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
     s, kk = indices.shape[1], indices.shape[3]
@@ -251,7 +263,6 @@ def sparse_attention_triton(
     heads_per_row = hq // s
     # one index list for every query (a dense forward of several tokens): a program serves them all
     pack = q if q > 1 and indices.stride(2) == 0 and heads_per_row * q <= PACKED_ROWS else 1
-    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)))
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         keys, values = keys.contiguous(), values.contiguous()
     if query.stride(-1) != 1:
@@ -261,6 +272,9 @@ def sparse_attention_triton(
         valid = indices  # unused (VALID=False)
     elif valid.dtype == torch.bool:
         valid = valid.view(torch.uint8)
+    # packed queries with a valid row each (no row shared over the queries): [G x Q, BLOCK] mask loads a step
+    row_per_query = has_valid and pack > 1 and valid.stride(2) != 0
+    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)), row_per_query)
     rows = b * s * q // pack
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
     if splits is None:
@@ -322,6 +336,8 @@ def sparse_attention_triton(
         num_stages=TUNE["num_stages"],
         PACKED=pack > 1,
         LIMIT=limit is not None,
+        VALID_PER_QUERY=row_per_query,
+        CAUSAL=causal,
         **pdl_launch(query.device),
     )
     if merge:

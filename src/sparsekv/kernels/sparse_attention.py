@@ -23,17 +23,23 @@ def sparse_attention_reference(
     *,
     tickets: torch.Tensor | None = None,
     limit: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq
-    (valid None: every index is valid). tickets, limit: see `sparse_attention` (tickets do not change the result;
-    the entries of an index list from `limit` on count as invalid).
+    (valid None: every index is valid). tickets, limit, causal: see `sparse_attention` (tickets do not change the
+    result; the entries of an index list from `limit` on count as invalid, and with `causal` query i's from
+    limit - Q + i + 1 on).
 
     Returns [B, Hq, Q, d]. Every row must have at least one valid index.
     """
     if valid is None:
         valid = torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
     if limit is not None:
-        valid = valid & (torch.arange(indices.shape[-1], device=indices.device) < limit.view(()))
+        entries = torch.arange(indices.shape[-1], device=indices.device)
+        ends = limit.view(1)
+        if causal:  # [Q, 1]: one past each query's own entry
+            ends = limit.view(1, 1) - query.shape[2] + 1 + torch.arange(query.shape[2], device=indices.device)[:, None]
+        valid = valid & (entries < ends)
     num_heads = query.shape[1]
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     mask = selection_mask(indices, valid, num_keys)
@@ -55,6 +61,7 @@ def sparse_attention(
     *,
     tickets: torch.Tensor | None = None,
     limit: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """The op `sparsekv::sparse_attention`: the split-K Triton kernel on CUDA (any Q, GQA through S), the
     reference elsewhere.
@@ -65,7 +72,12 @@ def sparse_attention(
     limit: an integer tensor of one element on the query's device: only the first `limit` entries of each index
     list are read, the others count as invalid. A fixed-shape step lists every slot of its preallocated buffer
     and passes the written ones, a device value: its graph then reads as far as the cache is filled, not the
-    buffer's capacity."""
+    buffer's capacity.
+    causal (needs `limit`): the entries just below `limit` are the Q queries' own tokens, in order (a forward of Q
+    new tokens over a buffer of slots): query i reads none from limit - Q + i + 1 on. `valid` may then be one row
+    for every query ([B, S, 1, K] expanded over Q), which the kernel reads once, not once per query."""
+    if causal and limit is None:
+        raise ValueError("causal attention needs `limit`: the entry after the queries' own tokens")
     if limit is not None:
         if limit.numel() != 1 or limit.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"limit must be an integer tensor of one element, got {limit.dtype} {tuple(limit.shape)}")
@@ -77,7 +89,7 @@ def sparse_attention(
             raise ValueError(f"tickets must be a contiguous int32 tensor of at least {rows} zeros")
         if tickets.device != query.device:
             raise ValueError(f"tickets are on {tickets.device}, the query on {query.device}")
-    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets, limit)
+    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets, limit, causal)
 
 
 @torch.library.custom_op("sparsekv::sparse_attention", mutates_args=("tickets",))
@@ -90,13 +102,14 @@ def _sparse_attention_op(
     scaling: float,
     tickets: torch.Tensor | None,
     limit: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """CPU (and any device without its own kernel): the reference."""
-    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit)
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit, causal=causal)
 
 
 @_sparse_attention_op.register_kernel("cuda")
-def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets, limit=None):
+def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets, limit=None, causal=False):
     from sparsekv.kernels._triton import use_triton
 
     if (
@@ -107,10 +120,11 @@ def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets
     ):
         from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
 
-        return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets, limit=limit)
-    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit)
+        return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets, limit=limit,
+                                       causal=causal)  # fmt: skip
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit, causal=causal)
 
 
 @_sparse_attention_op.register_fake
-def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets, limit=None):
+def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets, limit=None, causal=False):
     return torch.empty_like(query)
