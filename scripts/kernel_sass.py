@@ -69,7 +69,7 @@ def _kernels() -> dict:
         "attention": (sa._partial_kernel, attn_sig,
                       {"G": 4, "GP": 16, "D": 128, "DP": 128, "BLOCK": sa.TUNE["block"], "VALID": True,
                        "MERGE": True, "GC": 4, "SP": 8, "PREC": "tf32", "USE_PDL": True, "PACKED": False,
-                       "LIMIT": False},
+                       "LIMIT": False, "VALID_PER_QUERY": True, "CAUSAL": False},
                       ("sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "sib", "sis", "svlb", "svls",
                        "split_len"), sa.TUNE["num_warps"]),
     }  # fmt: skip
