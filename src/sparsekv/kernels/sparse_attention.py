@@ -40,15 +40,18 @@ def sparse_attention_reference(
         if causal:  # [Q, 1]: one past each query's own entry
             ends = limit.view(1, 1) - query.shape[2] + 1 + torch.arange(query.shape[2], device=indices.device)[:, None]
         valid = valid & (entries < ends)
-    num_heads = query.shape[1]
+    batch, num_heads, q_len, dim = query.shape
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
-    mask = selection_mask(indices, valid, num_keys)
-    if mask.shape[1] != num_heads:
-        mask = mask.repeat_interleave(num_heads // mask.shape[1], dim=1)
     group = num_heads // num_kv_heads
-    keys = keys.repeat_interleave(group, dim=1)
-    values = values.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    mask = selection_mask(indices, valid, num_keys)
+    if mask.shape[1] == num_kv_heads:  # one list per GQA group: the same for each of its query heads
+        mask = mask[:, :, None].expand(batch, num_kv_heads, group, q_len, num_keys)
+    # each kv head's group of query heads as G x Q query rows: no copy of K/V per query head
+    rows = group * q_len
+    mask = mask.reshape(batch, num_kv_heads, rows, num_keys)
+    out = F.scaled_dot_product_attention(query.reshape(batch, num_kv_heads, rows, dim), keys, values,
+                                         attn_mask=mask, scale=scaling)  # fmt: skip
+    return out.view(batch, num_heads, q_len, dim)
 
 
 def sparse_attention(
