@@ -25,3 +25,10 @@ def real_model_fp64(real_model):
 
     model, tokenizer = real_model
     return copy.deepcopy(model).to(torch.float64), tokenizer
+
+
+def pytest_collection_modifyitems(config, items):
+    """The kernel files' interpreter runs (`helpers.run_under_interpreter`) go first: each is one test of several
+    minutes (one near fifteen on a 2-core machine), and one that starts last leaves the other worker idle while it
+    finishes. pytest-xdist's worksteal hands the first half of this order to one worker and steals from it."""
+    items.sort(key=lambda item: item.originalname != "test_kernels_under_interpreter")
