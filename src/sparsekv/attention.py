@@ -278,7 +278,7 @@ def _fixed_step_masks(cache: SparseCache, batch: int, q_len: int) -> dict[str, t
         visible = cache.fixed_visible  # [1, 1, capacity]
         forced = forced_tokens(visible, config.sink, config.local)
         shared.update(visible=visible, forced=forced, budgets=token_budgets(config, visible, forced))
-        _written(cache, 1)
+        _written(cache, 1)  # stored as "written"
     rows = {name: shared[name].expand(batch, q_len, *shared[name].shape[2:]) for name in ("visible", "forced", "budgets")}
     return rows | {"written": shared["written"]}
 
