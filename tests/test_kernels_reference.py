@@ -271,6 +271,24 @@ def test_sparse_attention_causal_ends_each_query_at_its_own_entry():
         sparse_attention(query, keys, values, indices, None, 0.3, causal=True)
 
 
+def test_sparse_attention_start_skips_the_entries_before_it():
+    """`start`: the entries of an index list before it are not attended either (a sliding window over a buffer
+    of slots); without `limit` it is refused, and it must be one integer on the query's device."""
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(5)
+    query, keys, values = torch.randn(2, 4, 1, 8, generator=gen), *torch.randn(2, 2, 2, 12, 8, generator=gen)
+    indices = torch.arange(12).expand(2, 2, 1, 12)
+    windowed = sparse_attention(query, keys, values, indices, None, 0.3, limit=torch.tensor([10]),
+                                start=torch.tensor([4]))  # fmt: skip
+    valid = (torch.arange(12) >= 4) & (torch.arange(12) < 10)
+    assert torch.equal(windowed, sparse_attention(query, keys, values, indices, valid.expand(2, 2, 1, 12), 0.3))
+    with pytest.raises(ValueError, match="start needs `limit`"):
+        sparse_attention(query, keys, values, indices, None, 0.3, start=torch.tensor([4]))
+    with pytest.raises(ValueError, match="start must be an integer tensor of one element"):
+        sparse_attention(query, keys, values, indices, None, 0.3, limit=torch.tensor([10]), start=torch.tensor([4.0]))
+
+
 def test_select_within_reference_keeps_each_rows_budget_in_index_order():
     from sparsekv.kernels.select_within import select_within_reference
 

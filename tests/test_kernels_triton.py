@@ -441,11 +441,12 @@ def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
 
 @here
 @pytest.mark.parametrize("d,q,causal,expect", [(64, 1, False, 128), (64, 9, False, 64), (64, 9, True, 128),
-                                                (128, 1, False, 64), (40, 2, False, 128), (128, 9, True, 64)])  # fmt: skip
+                                                (128, 1, False, 64), (40, 2, False, 128), (128, 9, True, 64),
+                                                (256, 1, False, 64), (256, 9, True, 32)])  # fmt: skip
 def test_sparse_attention_default_launch_triton(impl, d, q, causal, expect):
     """The launch a call gets without block / splits (`default_block`): narrow rows with few query rows take
     twice the tokens a step, and up to twice as many query rows where the queries share one valid row (causal);
-    a list of 203 of 333 slots is no multiple of either block."""
+    wide rows with many query rows half; a list of 203 of 333 slots is no multiple of any block."""
     kernel = impl["_sparse_attention_triton"]
     gen = torch.Generator().manual_seed(d + q)
     b, hq, hkv, n, k = 2, 6, 3, 333, 203
@@ -496,6 +497,34 @@ def test_sparse_attention_limit_triton(impl, q, limit, splits):
     shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
     out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, everywhere.to(DEV),
                                          d**-0.5, splits=splits, limit=torch.tensor([limit], device=DEV))  # fmt: skip
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-4, float(err)
+
+
+@here
+@pytest.mark.parametrize("q,start,limit,splits,d", [(1, 200, 300, 3, 64), (1, 290, 300, 4, 64), (4, 150, 333, 2, 64),
+                                                    (1, 0, 77, 2, 64), (3, 37, 141, 3, 256)])  # fmt: skip
+def test_sparse_attention_start_triton(impl, q, start, limit, splits, d):
+    """`start`: the entries before it are not read either, and a row's splits share the entries from `start` to
+    `limit` (a sliding window's step over a buffer of slots); a mask row per query as a window's verification
+    keeps (q 3, 4)."""
+    kernel = impl["_sparse_attention_triton"]
+    gen = torch.Generator().manual_seed(start + limit)
+    b, hq, hkv, n = 2, 6, 3, 333
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    indices = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+    own = torch.arange(n)[None, :] <= torch.arange(limit - q, limit)[:, None]  # [Q, N]
+    window = torch.arange(n)[None, :] >= torch.arange(start, start + q)[:, None]
+    valid = (own & window).expand(b, hkv, q, n)
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
+    everywhere = valid.clone()
+    everywhere[..., :start] = True  # valid before the start too: only `start` keeps those entries out
+    shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
+    out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared, everywhere.to(DEV),
+                                         d**-0.5, splits=splits, limit=torch.tensor([limit], device=DEV),
+                                         start=torch.tensor([start], device=DEV))  # fmt: skip
     err = (out.cpu().double() - ref).norm() / ref.norm()
     assert err < 1e-4, float(err)
 

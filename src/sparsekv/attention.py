@@ -316,6 +316,23 @@ def _recent(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
     return positions[:, None, :] > queries[..., None] - window
 
 
+def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
+    """[1]: the first slot that a sliding-window layer's `q_len` queries can see in a fixed-shape forward (the
+    earliest query's window as `_recent` counts it, the least over the rows), where its reads of the buffer
+    start: the layer then reads its window, not every written slot (H200, Gemma 3 270M at 32K x B16: a sliding
+    layer's dense step took as long as a global layer's). Built once per step and window."""
+    shared = cache.fixed_step
+    name = f"start{q_len}:{window}"
+    if name not in shared:
+        if cache.fixed_kept is None:  # slot = position
+            shared[name] = (cache.fixed_position - window + 1).clamp(min=0)
+        else:  # a row's masked slots hold no position: its window starts after the slots at or below first - window
+            positions = cache.fixed_kept.cumsum(-1) - 1  # [B, capacity]
+            first = positions.index_select(-1, cache.fixed_position)  # [B, 1]: the earliest query's position
+            shared[name] = (positions <= first - window).sum(-1).amin().view(1)
+    return shared[name]
+
+
 def _row_stats(cache: SparseCache, visible: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`BudgetStats.row_step_stats` of the row-masked step in flight, built once per step."""
     name = f"rowstats{heads}"
@@ -343,9 +360,10 @@ def _verify_attention(query, key, value, cache: SparseCache, scale: float, windo
     heads = key.shape[1]
     every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
     written = _written(cache, q_len)
-    if window is not None:  # each query's own window: a mask row per query
+    if window is not None:  # each query's own window: a mask row per query, read from the earliest one's start
         seen = _window_verify_mask(cache, q_len, window).expand(batch, heads, -1, -1)
-        out = sparse_attention(query, key, value, every, seen, scale, limit=written)
+        out = sparse_attention(query, key, value, every, seen, scale, limit=written,
+                               start=_window_start(cache, q_len, window))  # fmt: skip
     else:  # causality from the written count, and one row of kept slots for every query (H200, the embedded
         # model's 9 queries over 8,448 written slots, B128: 414 us a layer with a mask row per query, 270 with one)
         kept = cache.fixed_kept
@@ -385,12 +403,14 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
             selector.complete_append()
         return _verify_attention(query, key, value, cache, scale, info.window if info.sliding else None), None
     if selector is None:  # a dense layer: every cached token, through the same split-K kernel
-        if info.sliding:  # its window of the latest tokens only
+        start = None
+        if info.sliding:  # its window of the latest tokens only, read from the window's first slot
             visible = _window_visible(cache, info.window).expand(batch, q_len, -1)
+            start = _window_start(cache, q_len, info.window)
         heads = key.shape[1]
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
         out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale,
-                               limit=_written(cache, q_len))  # fmt: skip
+                               limit=_written(cache, q_len), start=start)  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,

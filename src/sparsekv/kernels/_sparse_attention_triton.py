@@ -36,11 +36,19 @@ PACKED_ROWS = 64
 #: verification's 9 queries x 3 heads (32 rows) with a causal limit and one valid row 374.9 -> 269.8 us, with a
 #: valid row per query 320 us at 64 tokens against 389 at 128. 128-channel rows (Llama 3 8B's) were fastest at 64.
 NARROW_CHANNELS = 64
+#: rows of more channels than this (Gemma 3's 256) take half TUNE's tokens a step where a program holds more than 16
+#: query rows or reads a window (`start`). H200, graph replays, 1 kv head x 4 query heads, d 256, 32,800 written
+#: slots: a verification's 9 queries at B128 1480 -> 1058 us (the bytes take 1012 us); a 512-slot window from its
+#: start 32.2 -> 27.7 us at B128, 15.2 -> 8.6 us at B16 (the best launch of the sweep); one query over the whole
+#: buffer stays at 64 tokens (B128: 1027 us at 64, 1193 at 32).
+WIDE_CHANNELS = 128
 
 
-def default_block(channels: int, query_rows: int, row_per_query: bool = False) -> int:
+def default_block(channels: int, query_rows: int, row_per_query: bool = False, window: bool = False) -> int:
     """Tokens per step of a program with `query_rows` query rows (heads x packed queries) of `channels` each;
-    row_per_query: each query row loads its own valid row every step."""
+    row_per_query: each query row loads its own valid row every step; window: the call reads from a `start`."""
+    if channels > WIDE_CHANNELS:
+        return TUNE["block"] // 2 if query_rows > 16 or window else TUNE["block"]
     wide = channels <= NARROW_CHANNELS and query_rows <= (16 if row_per_query else 32)
     return 2 * TUNE["block"] if wide else TUNE["block"]
 
@@ -119,6 +127,7 @@ def _partial_kernel(
     out_ptr,
     tickets_ptr,
     limit_ptr,
+    start_ptr,
     S,
     Q,
     K,
@@ -157,6 +166,7 @@ def _partial_kernel(
     LIMIT: tl.constexpr = False,
     VALID_PER_QUERY: tl.constexpr = True,
     CAUSAL: tl.constexpr = False,
+    START: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     sp, r = chunk_and_row()
@@ -189,9 +199,17 @@ def _partial_kernel(
     acc = tl.zeros([GP, DP], dtype=tl.float32)
     start = sp * split_len
     end = tl.minimum(start + split_len, K)
-    if LIMIT:  # entries from the limit on are not read (a split past it stores an empty partial)
+    if LIMIT:  # the row's splits share the entries from `start` (or 0) up to the limit; a split past them stores
+        # an empty partial
         written = tl.load(limit_ptr).to(tl.int32)
-        end = tl.minimum(end, written)
+        hi = tl.minimum(written, K)
+        if START:
+            lo = tl.minimum(tl.maximum(tl.load(start_ptr).to(tl.int32), 0), hi)
+        else:
+            lo = hi * 0
+        share = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK) * BLOCK
+        start = lo + sp * share
+        end = tl.minimum(start + share, hi)
         # causal: query i's own token is entry written - Q + i, the last it reads
         last = written - Q + query_of
     for j in range(start, end, BLOCK):
@@ -252,10 +270,12 @@ def _combine_kernel(o_ptr, lse_ptr, out_ptr, num_splits, D: tl.constexpr, DP: tl
 
 def sparse_attention_triton(
     query, keys, values, indices, valid, scaling, *, tickets=None, block: int | None = None,
-    splits: int | None = None, merge: bool | None = None, limit=None, causal: bool = False,
+    splits: int | None = None, merge: bool | None = None, limit=None, causal: bool = False, start=None,
 ):
     """merge: whether the rows' last splits merge the partials (needs `tickets`); None decides by the grid.
-    limit, causal: see `sparse_attention.sparse_attention`."""
+    limit, causal, start: see `sparse_attention.sparse_attention`."""
+    if (causal or start is not None) and limit is None:
+        raise ValueError("causal and start need `limit`")
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
     s, kk = indices.shape[1], indices.shape[3]
@@ -274,7 +294,7 @@ def sparse_attention_triton(
         valid = valid.view(torch.uint8)
     # packed queries with a valid row each (no row shared over the queries): [G x Q, BLOCK] mask loads a step
     row_per_query = has_valid and pack > 1 and valid.stride(2) != 0
-    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)), row_per_query)
+    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)), row_per_query, start is not None)
     rows = b * s * q // pack
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
     if splits is None:
@@ -309,6 +329,7 @@ def sparse_attention_triton(
         out,
         tickets if merge else lse,
         limit if limit is not None else lse,
+        start if start is not None else lse,
         s,
         q,
         kk,
@@ -338,6 +359,7 @@ def sparse_attention_triton(
         LIMIT=limit is not None,
         VALID_PER_QUERY=row_per_query,
         CAUSAL=causal,
+        START=start is not None,
         **pdl_launch(query.device),
     )
     if merge:

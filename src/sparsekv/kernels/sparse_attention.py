@@ -24,11 +24,12 @@ def sparse_attention_reference(
     tickets: torch.Tensor | None = None,
     limit: torch.Tensor | None = None,
     causal: bool = False,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; keys/values [B, Hkv, N, d]; indices/valid [B, S, Q, K] with S = Hkv or Hq
-    (valid None: every index is valid). tickets, limit, causal: see `sparse_attention` (tickets do not change the
-    result; the entries of an index list from `limit` on count as invalid, and with `causal` query i's from
-    limit - Q + i + 1 on).
+    (valid None: every index is valid). tickets, limit, causal, start: see `sparse_attention` (tickets do not
+    change the result; the entries of an index list from `limit` on count as invalid, with `causal` query i's
+    from limit - Q + i + 1 on, and with `start` those before it).
 
     Returns [B, Hq, Q, d]. Every row must have at least one valid index.
     """
@@ -40,6 +41,8 @@ def sparse_attention_reference(
         if causal:  # [Q, 1]: one past each query's own entry
             ends = limit.view(1, 1) - query.shape[2] + 1 + torch.arange(query.shape[2], device=indices.device)[:, None]
         valid = valid & (entries < ends)
+        if start is not None:
+            valid = valid & (entries >= start.view(1))
     batch, num_heads, q_len, dim = query.shape
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
@@ -65,6 +68,7 @@ def sparse_attention(
     tickets: torch.Tensor | None = None,
     limit: torch.Tensor | None = None,
     causal: bool = False,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The op `sparsekv::sparse_attention`: the split-K Triton kernel on CUDA (any Q, GQA through S), the
     reference elsewhere.
@@ -78,21 +82,28 @@ def sparse_attention(
     buffer's capacity.
     causal (needs `limit`): the entries just below `limit` are the Q queries' own tokens, in order (a forward of Q
     new tokens over a buffer of slots): query i reads none from limit - Q + i + 1 on. `valid` may then be one row
-    for every query ([B, S, 1, K] expanded over Q), which the kernel reads once, not once per query."""
+    for every query ([B, S, 1, K] expanded over Q), which the kernel reads once, not once per query.
+    start (needs `limit`): an integer tensor of one element: the entries before it are not read either, and the
+    splits of a row share the entries from `start` to `limit` between them. A sliding-window layer's step over a
+    buffer of slots passes the first slot its window reaches, so it reads its window, not the whole buffer."""
     if causal and limit is None:
         raise ValueError("causal attention needs `limit`: the entry after the queries' own tokens")
-    if limit is not None:
-        if limit.numel() != 1 or limit.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"limit must be an integer tensor of one element, got {limit.dtype} {tuple(limit.shape)}")
-        if limit.device != query.device:
-            raise ValueError(f"limit is on {limit.device}, the query on {query.device}")
+    if start is not None and limit is None:
+        raise ValueError("start needs `limit`: the entries from `start` to `limit` are the ones read")
+    for name, bound in (("limit", limit), ("start", start)):
+        if bound is None:
+            continue
+        if bound.numel() != 1 or bound.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be an integer tensor of one element, got {bound.dtype} {tuple(bound.shape)}")
+        if bound.device != query.device:
+            raise ValueError(f"{name} is on {bound.device}, the query on {query.device}")
     if tickets is not None:
         rows = indices.shape[0] * indices.shape[1] * indices.shape[2]
         if tickets.dtype != torch.int32 or tickets.numel() < rows or not tickets.is_contiguous():
             raise ValueError(f"tickets must be a contiguous int32 tensor of at least {rows} zeros")
         if tickets.device != query.device:
             raise ValueError(f"tickets are on {tickets.device}, the query on {query.device}")
-    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets, limit, causal)
+    return _sparse_attention_op(query, keys, values, indices, valid, float(scaling), tickets, limit, causal, start)
 
 
 @torch.library.custom_op("sparsekv::sparse_attention", mutates_args=("tickets",))
@@ -106,13 +117,16 @@ def _sparse_attention_op(
     tickets: torch.Tensor | None,
     limit: torch.Tensor | None = None,
     causal: bool = False,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """CPU (and any device without its own kernel): the reference."""
-    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit, causal=causal)
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit, causal=causal,
+                                      start=start)  # fmt: skip
 
 
 @_sparse_attention_op.register_kernel("cuda")
-def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets, limit=None, causal=False):
+def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets, limit=None, causal=False,
+                           start=None):  # fmt: skip
     from sparsekv.kernels._triton import use_triton
 
     if (
@@ -124,10 +138,12 @@ def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets
         from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
 
         return sparse_attention_triton(query, keys, values, indices, valid, scaling, tickets=tickets, limit=limit,
-                                       causal=causal)  # fmt: skip
-    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit, causal=causal)
+                                       causal=causal, start=start)  # fmt: skip
+    return sparse_attention_reference(query, keys, values, indices, valid, scaling, limit=limit, causal=causal,
+                                      start=start)  # fmt: skip
 
 
 @_sparse_attention_op.register_fake
-def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets, limit=None, causal=False):
+def _sparse_attention_fake(query, keys, values, indices, valid, scaling, tickets, limit=None, causal=False,
+                           start=None):  # fmt: skip
     return torch.empty_like(query)
