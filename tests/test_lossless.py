@@ -88,6 +88,8 @@ def test_lossless_model_generate_refuses_what_it_does_not_do(real_model):
         with pytest.raises(ConfigError, match="left-padded"):
             model.generate(ids, attention_mask=torch.cat([ids.new_ones(1, 3), ids.new_zeros(1, ids.shape[1] - 3)], 1),
                            max_new_tokens=4, do_sample=False)  # fmt: skip
+        with pytest.raises(ConfigError, match="prefill_chunk_size must be an int >= 1"):
+            model.generate(ids, max_new_tokens=4, do_sample=False, prefill_chunk_size=0)
         assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, ids.shape[1] + 4)
     with pytest.raises(ConfigError, match="densely"):
         sparsekv.enable(model, SparseConfig(method="dense"), lossless=True)
@@ -303,6 +305,22 @@ def test_self_index_drafts_from_its_compressed_cache_and_rolls_back_only_in_loss
     repeated = torch.cat([ids, ids[:, :12]], dim=1)
     with pytest.raises(ConfigError, match="self-index"):
         _greedy(tiny, config, repeated, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("method,options", [("lsh", {}), ("self-index", {"residual": 8, "k_group": 8})])
+def test_lossless_generate_prefills_in_chunks(tiny, method, options):
+    """`prefill_chunk_size` (transformers' chunked prefill) in lossless `model.generate()`: every chunk of the
+    prompt attends densely (a chunk that attended sparsely would leave K/V that the dense verification does not
+    reproduce), and a left-padded batch gives plain greedy's tokens."""
+    ids = torch.randint(3, tiny.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding
+    kwargs = {"attention_mask": mask, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+    plain = tiny.generate(ids, **kwargs)
+    config = SparseConfig(method=method, budget=0.1, dense_layers=(0,), options=options)
+    with sparsekv.enabled(tiny, config, lossless=True, draft_tokens=3) as runtime:
+        assert torch.equal(tiny.generate(ids, prefill_chunk_size=16, **kwargs), plain)
+    assert runtime.drafts.verifications > 0
 
 
 SLOT_STATE_METHODS = [m for m in available_methods() if get_method_class(m).slot_state]

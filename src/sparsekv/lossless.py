@@ -285,16 +285,26 @@ def check_lossless(config: SparseConfig, draft_tokens: int | str) -> None:
         raise ConfigError(f"draft_tokens must be an int >= 1 or {AUTO_DRAFTS!r}, got {draft_tokens!r}")
 
 
-def prefill(model, cache: SparseCache, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The (left-padded) prompt through the model into `cache` -> the last position's logits [B, V]."""
-    return model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-        **cache_kwargs(model, cache),
-        use_cache=True,
-        logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
-    ).logits[:, -1]
+def prefill(model, cache: SparseCache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+            chunk_size: int | None = None) -> torch.Tensor:  # fmt: skip
+    """The (left-padded) prompt through the model into `cache` -> the last position's logits [B, V]; with
+    `chunk_size`, that many tokens a forward (transformers' chunked prefill: the activations and masks are a
+    chunk's, so a long prompt's batch is not bounded by them). The cache must know the prompt's length
+    (`SparseCache.prompt_length`): its later chunks attend densely too."""
+    length = input_ids.shape[1]
+    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    step = chunk_size or length
+    for start in range(0, length, step):
+        end = min(length, start + step)
+        logits = model(
+            input_ids=input_ids[:, start:end],
+            attention_mask=attention_mask[:, :end],
+            position_ids=positions[:, start:end],
+            **cache_kwargs(model, cache),
+            use_cache=True,
+            logits_to_keep=1,  # the prompt's full-vocabulary logits would cost more than its attention
+        ).logits
+    return logits[:, -1]
 
 
 def speculate(decoder: Decoder, sampler: Sampler, last: torch.Tensor, draft_tokens: int, out: RowTokens,
@@ -552,7 +562,7 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
 
 #: `model.generate()` arguments a lossless generation takes; any other is refused, not ignored
 _GENERATE_ARGUMENTS = ("input_ids", "inputs", "attention_mask", "max_new_tokens", "do_sample", "pad_token_id",
-                       "eos_token_id", "streamer", "use_cache")  # fmt: skip
+                       "eos_token_id", "streamer", "use_cache", "prefill_chunk_size")  # fmt: skip
 
 
 def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, counts: DraftCounts, args: tuple,
@@ -592,12 +602,16 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, co
     pad = kwargs.get("pad_token_id", generation.pad_token_id)
     pad = pad if pad is not None else (int(eos[0]) if len(eos) else 0)
     streamer = kwargs.get("streamer")
+    chunk = kwargs.get("prefill_chunk_size", getattr(generation, "prefill_chunk_size", None))
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ConfigError(f"prefill_chunk_size must be an int >= 1, got {chunk!r}")
     # a compressing method (self-index) drafts from its own storage; the dense verification reads the 16-bit K/V
-    cache = SparseCache(config, layer_infos(model), initial_capacity=ids.shape[1] + max_new, keeps_plain_kv=True)
+    cache = SparseCache(config, layer_infos(model), initial_capacity=ids.shape[1] + max_new,
+                        prompt_length=ids.shape[1], keeps_plain_kv=True)  # fmt: skip
     with torch.inference_mode():
         if streamer is not None:
             streamer.put(ids.cpu())
-        logits = prefill(model, cache, ids, mask)
+        logits = prefill(model, cache, ids, mask, chunk)
         decoder, sampler = Decoder(model, cache, mask), Sampler(None, None, ids.device)
         out = RowTokens(len(ids), max_new, eos, ids.device)
         first = sampler.draw(logits)[0]

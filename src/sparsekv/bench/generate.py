@@ -257,8 +257,6 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
     after the warm-up) is left out, as the dense rows leave their capture step out in the warm-up."""
     import sparsekv
 
-    if prefill_chunk_size is not None:
-        raise ConfigError("a @lossless row prefills in one forward: drop --prefill-chunk-size")
     device, batch = ids.device, ids.shape[0]
     config = config_for(row, budget, top_p, dense_layers=dense_layers, options=options)
     compile_step = parse_row(row)[1] == LOSSLESS_COMPILE_SUFFIX
@@ -269,7 +267,7 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": warmup + new_tokens + 1, "do_sample": False,
-              "eos_token_id": [], "pad_token_id": 0}  # fmt: skip
+              "eos_token_id": [], "pad_token_id": 0, "prefill_chunk_size": prefill_chunk_size}  # fmt: skip
     try:
         with sparsekv.enabled(model, config, lossless=True, compile_step=compile_step) as rt:
             if compile_step:  # compiles the rounds' steps (dynamo keeps them for the next generation)
