@@ -16,8 +16,12 @@ variant's output against the default's or a reference). Sections (comma-separate
   checked against its reference.
 - attnshape: the split-K attention's tile / programs per SM / warps / stages in the whole Spotlight step
   (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
+- wide: the split-K attention at Gemma 3 270M's shapes (1 kv head x 4 query heads, d 256, 32,800 of 32,904
+  slots written, B16 and B128): one query over the buffer, a 512-slot window read from its `start` (and without
+  it), a 9-query verification; the default launch against a sweep of tile / warps / programs per SM / stages
+  (`_sparse_attention_triton.default_block`'s wide rows), each checked against the default's output.
 
-    python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape]   # on a CUDA machine
+    python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape,wide]   # on a CUDA machine
     PROBE_BATCH=4 python3 scripts/gpu_probe.py selfindex   # at 128K x B4
 """
 
@@ -399,3 +403,49 @@ def attnshape_probe(variants=((64, 4, 4, 3), (128, 2, 8, 3), (64, 2, 8, 3))):
 
 if "attnshape" in SECTIONS:
     attnshape_probe()
+
+
+def wide_probe(capacity=32904, written=32800, window=512):
+    """Gemma 3 270M's attention shapes through `sparse_attention_triton`: graph replays (one input set, the
+    buffer is 0.5-4 GB), the bytes floor at 4.25 TB/s, the default launch and the five best of the sweep."""
+    import functools
+    import itertools
+
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    saved = dict(sa.TUNE)
+    for batch, queries, windowed in ((16, 1, False), (16, 1, True), (128, 1, False), (128, 1, True), (128, 9, False)):
+        keys = torch.randn(batch, 1, capacity, 256, device=dev, dtype=torch.bfloat16, generator=gen)
+        query = torch.randn(batch, 4, queries, 256, device=dev, dtype=torch.bfloat16, generator=gen)
+        slots = torch.arange(capacity, device=dev)
+        seen = (slots < written) & (slots >= written - window if windowed else True)
+        attend = functools.partial(
+            sa.sparse_attention_triton, query, keys, torch.randn_like(keys), slots.view(1, 1, 1, -1).expand(
+                batch, 1, queries, -1), None if queries > 1 else seen.view(1, 1, 1, -1).expand(batch, 1, 1, -1),
+            0.0625, limit=torch.tensor([written], device=dev), causal=queries > 1)  # fmt: skip
+        start = {"start": torch.tensor([written - window], device=dev)} if windowed else {}
+        floor = 2 * batch * (window if windowed else written) * 256 * 2 / 4.25e12 * 1e6
+        reference = attend(**start).float()
+        unlimited = graph_us(lambda _, attend=attend: attend(), 1)
+        default = graph_us(lambda _, attend=attend, start=start: attend(**start), 1)
+        results = []
+        for block, warps, mult, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 4), (2, 3)):
+            sa.TUNE.update(block=block, num_warps=warps, sm_mult=mult, num_stages=stages)
+            try:
+                out = attend(block=block, **start).float()
+            except Exception as error:  # noqa: BLE001 - a launch that does not fit an SM's shared memory
+                print(f"  block {block} warps {warps} x{mult}/SM stages {stages}: {type(error).__name__}")
+                continue
+            us = graph_us(lambda _, attend=attend, block=block, start=start: attend(block=block, **start), 1)
+            results.append((us, block, warps, mult, stages, float((out - reference).norm() / reference.norm())))
+        sa.TUNE.update(saved)
+        results.sort()
+        print(f"B{batch} Q{queries} {'window from its start' if windowed else 'whole buffer'}: floor {floor:.1f} us"
+              f" | without start {unlimited:.1f} | default {default:.1f} | best "
+              + "; ".join(f"{us:.1f} (block {b} warps {w} x{m}/SM stages {st}, err {e:.0e})"
+                          for us, b, w, m, st, e in results[:5]), flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+
+
+if "wide" in SECTIONS:
+    wide_probe()
