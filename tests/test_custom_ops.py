@@ -31,8 +31,10 @@ def _sparse_attention():
     valid = torch.rand(2, 2, 3, 9, generator=gen) > 0.3
     valid[..., 0] = True
     tickets = torch.zeros(2 * 2 * 3, dtype=torch.int32)
+    window = (torch.tensor([7]), True, torch.tensor([2]))  # limit, causal, start: entries 2 to 4 + i for query i
     return [(query, keys, values, indices, valid, 0.2, None, None), (query, keys, values, indices, None, 0.2, tickets, None),
-            (query, keys, values, indices, valid, 0.2, None, torch.tensor([5]))]  # fmt: skip
+            (query, keys, values, indices, valid, 0.2, None, torch.tensor([5])),
+            (query, keys, values, indices, None, 0.2, None, *window)]  # fmt: skip
 
 
 def _codes(shape, gen):
