@@ -42,7 +42,7 @@ def _kernels() -> dict:
                                          "forced_score")}  # fmt: skip
     attn_sig = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "idx_ptr": "*i64", "valid_ptr": "*u8",
                 "o_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "tickets_ptr": "*i32",
-                "limit_ptr": "*i64"}  # fmt: skip
+                "limit_ptr": "*i64", "start_ptr": "*i64"}  # fmt: skip
     attn_sig |= {name: I32 for name in ("S", "Q", "K", "split_len", "num_splits", "HQ", "g")}
     attn_sig["qk_scale"] = "fp32"
     attn_sig |= {name: I32 for name in ("sqb", "sqh", "sqq", "skb", "skh", "skn", "svb", "svh", "svn", "sib",
@@ -69,7 +69,7 @@ def _kernels() -> dict:
         "attention": (sa._partial_kernel, attn_sig,
                       {"G": 4, "GP": 16, "D": 128, "DP": 128, "BLOCK": sa.TUNE["block"], "VALID": True,
                        "MERGE": True, "GC": 4, "SP": 8, "PREC": "tf32", "USE_PDL": True, "PACKED": False,
-                       "LIMIT": False, "VALID_PER_QUERY": True, "CAUSAL": False},
+                       "LIMIT": False, "VALID_PER_QUERY": True, "CAUSAL": False, "START": False},
                       ("sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "sib", "sis", "svlb", "svls",
                        "split_len"), sa.TUNE["num_warps"]),
     }  # fmt: skip

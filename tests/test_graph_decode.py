@@ -294,6 +294,21 @@ def test_cuda_graph_replays_equal_eager(method, budget):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method,budget", [("dense", None), ("oracle-topk", 0.1)])
+def test_cuda_graph_sliding_window_layers_read_their_window(method, budget):
+    """Gemma 3's shape with 256-channel heads (window 16, a 300-token prompt): the captured step's sliding layers
+    read their window from its first slot (`sparse_attention`'s `start`) and give the eager steps' tokens, which
+    attend through the model's own sliding mask."""
+    model = random_model("tiny-gemma3", dtype=torch.float32, device="cuda", head_dim=256)
+    ids = torch.randint(3, model.config.vocab_size, (2, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    config = _config(method, budget)
+    eager, _, _ = _generate(model, ids, config, graph_decode=False, steps=24, pad_token_id=0)
+    graphed, steps, _ = _generate(model, ids, config, graph_decode=None, steps=24, pad_token_id=0)
+    assert steps.get("graph") == 22, steps
+    assert torch.equal(graphed, eager)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("budget", [0.02, 0.1])
 def test_self_index_captured_float32_step_on_the_embedded_model_equals_the_cpu_rule(budget):
     """The embedded model in float32 (d = 64, 9 query heads on 3 kv heads), one row of 1,000 tokens of held-out

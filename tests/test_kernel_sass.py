@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def sass():
+def kernel_sass():
+    """scripts/kernel_sass.py as a module."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     try:
         import kernel_sass
@@ -26,7 +27,11 @@ def sass():
         sys.path.pop(0)
     if not Path(kernel_sass._tool("ptxas")).exists():
         pytest.skip("triton without its bundled NVIDIA tools")
+    return kernel_sass
 
+
+@pytest.fixture(scope="module")
+def sass(kernel_sass):
     def summary(kernel, div16_drop=(), **overrides):
         fn, sig, constexprs, div16, warps = kernel_sass._kernels()[kernel]
         div16 = tuple(n for n in div16 if n not in div16_drop)
@@ -54,3 +59,23 @@ def test_head_adders_halve_the_popcounts(sass):
 def test_attention_over_all_valid_selections_loads_no_mask(sass):
     assert "LDG.E.U8" in sass("attention")  # the valid mask: one byte per index
     assert "LDG.E.U8" not in sass("attention", VALID=False), sass("attention", VALID=False)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_default_attention_launch_fits_an_sms_shared_memory(kernel_sass, dtype):
+    """`default_block`'s launch of the split-K attention compiles within an H100/H200 SM's shared memory for every
+    row width, with the fewest and the most query rows a program holds (shared memory grows with both; float32 rows
+    of 256 channels with 64 query rows took 262,400 bytes at 32 tokens a step)."""
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    fn, sig, constexprs, div16, warps = kernel_sass._kernels()["attention"]
+    sig = sig | {name: "*" + dtype for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
+    for channels in (64, 128, 256):
+        for rows in (16, sa.PACKED_ROWS):
+            block = sa.default_block(channels, rows, element_size=4 if dtype == "fp32" else 2)
+            launch = constexprs | {"GP": rows, "G": rows if rows > 16 else 4, "GC": rows, "D": channels,
+                                   "DP": channels, "BLOCK": block, "PACKED": rows > 16, "CAUSAL": rows > 16,
+                                   "VALID_PER_QUERY": False, "LIMIT": True,
+                                   "PREC": "tf32x3" if dtype == "fp32" else "tf32"}  # fmt: skip
+            shared = kernel_sass.compile_sm90(fn, sig, launch, div16, warps, sa.TUNE["num_stages"]).metadata.shared
+            assert shared <= sa.SHARED_MEMORY_BYTES, (channels, rows, block, shared)

@@ -380,6 +380,23 @@ def test_a_sliding_window_model_decodes_losslessly(graph_decode):
         assert set(drafts.paths) == {"eager: first round", "eager: graph_decode=False"}
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured rounds need a GPU")
+def test_captured_rounds_of_a_sliding_window_model_with_wide_heads_equal_plain_greedy():
+    """Gemma 3's shape with 256-channel heads on CUDA: captured rounds of 8 drafts (a verification of 9 queries x
+    4 heads, 32 tokens a step) whose sliding layers read from their window's first slot, rows accepting different
+    drafts: plain greedy's tokens."""
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-gemma3", dtype=torch.float32, device="cuda", seed=0, head_dim=256)
+    ids = torch.randint(3, model.config.vocab_size, (4, 200), generator=torch.Generator().manual_seed(3)).cuda()
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 40, "do_sample": False, "pad_token_id": 0}
+    plain = model.generate(ids, **kwargs)
+    config = SparseConfig(method="streaming", budget=0.1, dense_layers=())
+    with sparsekv.enabled(model, config, lossless=True, draft_tokens=8) as runtime:
+        assert torch.equal(model.generate(ids, **kwargs), plain)
+    assert runtime.drafts.paths.get("graph", 0) >= 2 and runtime.drafts.accepted > 0
+
+
 def test_a_cache_cannot_roll_back_into_its_prompt(tiny):
     config = SparseConfig(method="oracle-topk", budget=0.3, dense_layers=(0,))
     cache = SparseCache.for_model(tiny, config)

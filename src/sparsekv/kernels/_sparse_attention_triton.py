@@ -42,13 +42,20 @@ NARROW_CHANNELS = 64
 #: start 32.2 -> 27.7 us at B128, 15.2 -> 8.6 us at B16 (the best launch of the sweep); one query over the whole
 #: buffer stays at 64 tokens (B128: 1027 us at 64, 1193 at 32).
 WIDE_CHANNELS = 128
+#: shared memory a program may take (an H100's or H200's SM: 227 KB); a launch over it fails to compile
+SHARED_MEMORY_BYTES = 232448
 
 
-def default_block(channels: int, query_rows: int, row_per_query: bool = False, window: bool = False) -> int:
+def default_block(channels: int, query_rows: int, row_per_query: bool = False, window: bool = False,
+                  element_size: int = 2) -> int:  # fmt: skip
     """Tokens per step of a program with `query_rows` query rows (heads x packed queries) of `channels` each;
-    row_per_query: each query row loads its own valid row every step; window: the call reads from a `start`."""
+    row_per_query: each query row loads its own valid row every step; window: the call reads from a `start`;
+    element_size: bytes of a query / key channel."""
     if channels > WIDE_CHANNELS:
-        return TUNE["block"] // 2 if query_rows > 16 or window else TUNE["block"]
+        block = TUNE["block"] // 2 if query_rows > 16 or window else TUNE["block"]
+        # float32 rows of 256 channels, 64 query rows: Triton's buffers for the dots' layout conversions take
+        # 262,400 bytes of shared memory at 32 tokens (sm_90, scripts/kernel_sass.py), 196,736 at 16
+        return block // 2 if element_size > 2 and query_rows > 32 else block
     wide = channels <= NARROW_CHANNELS and query_rows <= (16 if row_per_query else 32)
     return 2 * TUNE["block"] if wide else TUNE["block"]
 
@@ -294,7 +301,8 @@ def sparse_attention_triton(
         valid = valid.view(torch.uint8)
     # packed queries with a valid row each (no row shared over the queries): [G x Q, BLOCK] mask loads a step
     row_per_query = has_valid and pack > 1 and valid.stride(2) != 0
-    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)), row_per_query, start is not None)
+    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)), row_per_query, start is not None,
+                                   query.element_size())  # fmt: skip
     rows = b * s * q // pack
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
     if splits is None:
