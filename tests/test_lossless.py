@@ -314,7 +314,7 @@ def test_lossless_generate_prefills_in_chunks(tiny, method, options):
     reproduce), and a left-padded batch gives plain greedy's tokens."""
     ids = torch.randint(3, tiny.config.vocab_size, (2, 70), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
-    mask[1, :9] = 0  # left padding
+    mask[1, :37] = 0  # left padding: the row's first two chunks are padding alone
     kwargs = {"attention_mask": mask, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
     plain = tiny.generate(ids, **kwargs)
     config = SparseConfig(method=method, budget=0.1, dense_layers=(0,), options=options)
