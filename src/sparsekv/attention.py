@@ -308,12 +308,20 @@ def _recent(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
     """[B or 1, Q, capacity] bool: the slots whose token lies within the last `window` positions of each of the
     step's `q_len` queries (itself included), counting a row's own tokens: in lossless rounds a row's masked
     slots hold no position, so its window reaches back over as many slots as it masked."""
-    if cache.fixed_kept is None:  # every slot of the unpadded batch holds the next position
-        positions = cache.fixed_slots[None]
-    else:
-        positions = cache.fixed_kept.cumsum(-1) - 1  # [B, capacity]: each kept slot's position in its row
+    positions = _slot_positions(cache)
     queries = positions.index_select(-1, fixed_slots(cache.fixed_position, q_len))  # [B or 1, Q]
     return positions[:, None, :] > queries[..., None] - window
+
+
+def _slot_positions(cache: SparseCache) -> torch.Tensor:
+    """[B or 1, capacity]: each slot's position in its row, built once per step. Every slot of the unpadded batch
+    holds the next position; in lossless rounds a row's masked slots hold none (a kept slot's position counts the
+    row's kept slots before it)."""
+    if cache.fixed_kept is None:
+        return cache.fixed_slots[None]
+    if "positions" not in cache.fixed_step:
+        cache.fixed_step["positions"] = cache.fixed_kept.cumsum(-1) - 1
+    return cache.fixed_step["positions"]
 
 
 def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
@@ -327,7 +335,7 @@ def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
         if cache.fixed_kept is None:  # slot = position
             shared[name] = (cache.fixed_position - window + 1).clamp(min=0)
         else:  # a row's masked slots hold no position: its window starts after the slots at or below first - window
-            positions = cache.fixed_kept.cumsum(-1) - 1  # [B, capacity]
+            positions = _slot_positions(cache)
             first = positions.index_select(-1, cache.fixed_position)  # [B, 1]: the earliest query's position
             shared[name] = (positions <= first - window).sum(-1).amin().view(1)
     return shared[name]
