@@ -18,7 +18,7 @@ variant's output against the default's or a reference). Sections (comma-separate
   (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
 - wide: the split-K attention at Gemma 3 270M's shapes (1 kv head x 4 query heads, d 256, 32,800 of 32,904
   slots written, B16 and B128): one query over the buffer, a 512-slot window read from its `start` (and without
-  it), a 9-query verification; the default launch against a sweep of tile / warps / programs per SM / stages
+  it), a 9-query verification over the buffer and over each query's window; the default launch against a sweep of tile / warps / programs per SM / stages
   (`_sparse_attention_triton.default_block`'s wide rows), each checked against the default's output.
 
     python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape,wide]   # on a CUDA machine
@@ -414,16 +414,20 @@ def wide_probe(capacity=32904, written=32800, window=512):
     from sparsekv.kernels import _sparse_attention_triton as sa
 
     saved = dict(sa.TUNE)
-    for batch, queries, windowed in ((16, 1, False), (16, 1, True), (128, 1, False), (128, 1, True), (128, 9, False)):
+    cases = ((16, 1, False), (16, 1, True), (128, 1, False), (128, 1, True), (128, 9, False), (128, 9, True))
+    for batch, queries, windowed in cases:
         keys = torch.randn(batch, 1, capacity, 256, device=dev, dtype=torch.bfloat16, generator=gen)
         query = torch.randn(batch, 4, queries, 256, device=dev, dtype=torch.bfloat16, generator=gen)
         slots = torch.arange(capacity, device=dev)
-        seen = (slots < written) & (slots >= written - window if windowed else True)
+        own = written - queries + torch.arange(queries, device=dev)  # each query's own slot
+        # a window: each query's own mask row (a lossless verification's sliding layers); the whole buffer: causal
+        seen = (slots <= own[:, None]) & (slots > own[:, None] - window if windowed else True)
         attend = functools.partial(
             sa.sparse_attention_triton, query, keys, torch.randn_like(keys), slots.view(1, 1, 1, -1).expand(
-                batch, 1, queries, -1), None if queries > 1 else seen.view(1, 1, 1, -1).expand(batch, 1, 1, -1),
-            0.0625, limit=torch.tensor([written], device=dev), causal=queries > 1)  # fmt: skip
-        start = {"start": torch.tensor([written - window], device=dev)} if windowed else {}
+                batch, 1, queries, -1), None if queries > 1 and not windowed else seen.view(1, 1, queries, -1).expand(
+                batch, 1, queries, -1), 0.0625, limit=torch.tensor([written], device=dev),
+            causal=queries > 1 and not windowed)  # fmt: skip
+        start = {"start": torch.tensor([written - queries - window + 1], device=dev)} if windowed else {}
         floor = 2 * batch * (window if windowed else written) * 256 * 2 / 4.25e12 * 1e6
         reference = attend(**start).float()
         unlimited = graph_us(lambda _, attend=attend: attend(), 1)

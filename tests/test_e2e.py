@@ -527,8 +527,9 @@ def test_bench_generate_lossless_rows_report_their_drafts():
 
     result = run_generate("tiny-llama", layers=3, context=96, batch=2,
                           rows=("streaming@lossless:0.5", "streaming@lossless-compile:0.5"),
-                          new_tokens=12, warmup=2, device="cpu")  # fmt: skip
+                          new_tokens=12, warmup=2, device="cpu", profile_step=3)  # fmt: skip
     for row in result["summary"]:
+        assert row["step_profile"] is None and row["verify_profile"] is None  # no CUDA graphs to profile on CPU
         assert row["tpot_ms"] > 0 and row["tokens_per_verification"] >= 1 and row["acceptance_rate"] is not None
         assert row["timed_rounds"] >= 1 and row["capture_rounds_left_out"] == 0  # CPU: nothing captured
         assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1

@@ -397,6 +397,27 @@ def test_captured_rounds_of_a_sliding_window_model_with_wide_heads_equal_plain_g
     assert runtime.drafts.paths.get("graph", 0) >= 2 and runtime.drafts.accepted > 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captured rounds need a GPU")
+def test_a_profiled_round_records_its_draft_steps_and_verification_apart_and_is_not_timed():
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-llama", dtype=torch.float32, device="cuda", seed=0)
+    ids = torch.randint(3, model.config.vocab_size, (2, 120), generator=torch.Generator().manual_seed(4)).cuda()
+    kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": 40, "do_sample": False, "pad_token_id": 0}
+    plain = model.generate(ids, **kwargs)
+    config = SparseConfig(method="streaming", budget=0.1, dense_layers=())
+    with sparsekv.enabled(model, config, lossless=True, draft_tokens=2) as runtime:
+        runtime.profile_round_after = 1
+        assert torch.equal(model.generate(ids, **kwargs), plain)
+    drafts = runtime.drafts
+    (draft_events, draft_steps), (verify_events, verify_steps) = drafts.step_profiles["draft"], drafts.step_profiles["verify"]
+    assert (draft_steps, verify_steps) == (2, 1) and set(drafts.step_profiles) == {"draft", "verify"}
+    assert sum(e.self_device_time_total for e in draft_events) > 0 and sum(e.count for e in verify_events) > 0
+    # rounds: the first (eager), the capture, one timed, the profiled one, then timed ones
+    steady = [s for *_, s in drafts.timeline]
+    assert steady[:4] == [True, False, True, False] and all(steady[4:]) and drafts.verify_steps == len(steady) - 3
+
+
 def test_a_cache_cannot_roll_back_into_its_prompt(tiny):
     config = SparseConfig(method="oracle-topk", budget=0.3, dense_layers=(0,))
     cache = SparseCache.for_model(tiny, config)

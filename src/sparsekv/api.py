@@ -215,7 +215,7 @@ def enable(
     @functools.wraps(class_generate)
     def generate_knowing_the_prompt(*args, **kwargs):
         if lossless:
-            runtime.drafts = DraftCounts()
+            runtime.drafts = DraftCounts(profile_after=runtime.profile_round_after)
             with lossless_forwards(runtime):
                 step_forward = runtime.graph.step_forward() if compile_step else None
                 return generate_losslessly(model, config, draft_tokens, runtime.drafts, args, kwargs, graph_decode,

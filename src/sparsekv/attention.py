@@ -42,6 +42,8 @@ class SparseRuntime:
     graph: GraphDecode | None = None
     #: lossless `model.generate()`: the drafts of its latest call (`sparsekv.lossless.DraftCounts`)
     drafts: object | None = None
+    #: lossless `model.generate()`: its calls profile a round after that many timed ones (`DraftCounts.profile_after`)
+    profile_round_after: int | None = None
 
 
 class CacheBypassedError(RuntimeError):
@@ -319,8 +321,8 @@ def _slot_positions(cache: SparseCache) -> torch.Tensor:
     row's kept slots before it)."""
     if cache.fixed_kept is None:
         return cache.fixed_slots[None]
-    if "positions" not in cache.fixed_step:
-        cache.fixed_step["positions"] = cache.fixed_kept.cumsum(-1) - 1
+    if "positions" not in cache.fixed_step:  # 32-bit: half the bytes of the scan and of the masks' compares
+        cache.fixed_step["positions"] = cache.fixed_kept.cumsum(-1, dtype=torch.int32) - 1
     return cache.fixed_step["positions"]
 
 

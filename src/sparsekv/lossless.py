@@ -38,7 +38,8 @@ class DraftCounts:
     #: rounds per path: "eager: <why>", "graph" (CUDA graphs), "fixed-shape" (the same steps without graphs)
     paths: dict[str, int] = field(default_factory=dict)
     #: per round: (perf_counter() once its tokens are on the host, tokens the rows took, rows that were unfinished,
-    #: whether it captured no graph: a round that captures one, once per generation and step shape, is not steady)
+    #: whether it captured no graph and ran outside the profiler: a round that captures one, once per generation
+    #: and step shape, is not steady)
     timeline: list[tuple[float, int, int, bool]] = field(default_factory=list)
     rejected: int = 0  # rows whose drafts met a rejection in a round (the others accepted every draft)
     #: fixed-shape rounds: seconds in draft steps and in verifications, and how many of each (CUDA events)
@@ -48,6 +49,11 @@ class DraftCounts:
     verify_steps: int = 0
     #: fixed-shape rounds per number of drafts (`draft_tokens="auto"` chooses it round by round)
     drafts_per_round: dict[int, int] = field(default_factory=dict)
+    #: CUDA: the graph-replayed round after that many timed ones runs under torch.profiler, its draft steps and
+    #: its verification apart, and is left out of the timing (None: no profile)
+    profile_after: int | None = None
+    #: that round's kernels: "draft" and "verify" -> (torch.profiler's `key_averages()`, steps profiled)
+    step_profiles: dict[str, tuple] = field(default_factory=dict)
 
     @property
     def draft_acceptance(self) -> float | None:
@@ -381,7 +387,7 @@ class CapturedRounds:
         self.graphs: dict[str, tuple] = {}  # step name -> (graph, its output)
         self.path = "graph" if self.device.type == "cuda" else "fixed-shape"
         self.dense_rounds = 0  # rounds that chose no drafts (draft_tokens="auto")
-        self.captured = False  # whether the last round captured a graph
+        self.steady = False  # whether the last round captured no graph and ran outside the profiler
 
     def _inputs(self, tokens: int) -> dict[str, torch.Tensor]:
         zeros = torch.zeros(self.batch, tokens, dtype=torch.long, device=self.device)
@@ -458,18 +464,21 @@ class CapturedRounds:
         draft[:, 0] = last
         verify_ids[:, 0] = last
         clock, graphs = _StepClock(self.device), len(self.graphs)
+        profiled = _profiled if self._profiles(counts, gamma) else _unprofiled
         draft_probs = []
-        for j in range(gamma):  # sparse steps propose, each at its slot
-            cache.fixed_position.fill_(start + j)
-            torch.add(self.positions, j, out=self.draft_inputs["position_ids"])
-            token, probs = sampler.draw(self._step("draft", self.draft_inputs, dense=False)[:, -1])
-            draft_probs.append(probs)
-            draft[:, 0] = token
-            verify_ids[:, j + 1] = token
+        with profiled(counts, "draft", gamma):
+            for j in range(gamma):  # sparse steps propose, each at its slot
+                cache.fixed_position.fill_(start + j)
+                torch.add(self.positions, j, out=self.draft_inputs["position_ids"])
+                token, probs = sampler.draw(self._step("draft", self.draft_inputs, dense=False)[:, -1])
+                draft_probs.append(probs)
+                draft[:, 0] = token
+                verify_ids[:, j + 1] = token
         clock.mark()
         cache.fixed_position.fill_(start)  # one dense forward checks them, rewriting their slots
         torch.add(self.positions, self.offsets[: gamma + 1], out=verify_inputs["position_ids"])
-        dense_logits = self._step(f"verify{gamma}", verify_inputs, dense=True)  # [B, gamma + 1, V]
+        with profiled(counts, "verify", 1):
+            dense_logits = self._step(f"verify{gamma}", verify_inputs, dense=True)  # [B, gamma + 1, V]
         clock.mark()
         proposed = verify_ids.clone()
         if gamma:
@@ -484,8 +493,8 @@ class CapturedRounds:
             layer.length = self.slot
         counts.add_round(gamma, agree, active)
         counts.drafts_per_round[gamma] = counts.drafts_per_round.get(gamma, 0) + 1
-        self.captured = len(self.graphs) != graphs
-        if not self.captured:  # a round that captured a graph is not timed
+        self.steady = len(self.graphs) == graphs and profiled is _unprofiled
+        if self.steady:  # a round that captured a graph, or ran under the profiler, is not timed
             drafting, verifying = clock.seconds()
             if gamma:
                 counts.draft_seconds += drafting
@@ -493,6 +502,30 @@ class CapturedRounds:
             counts.verify_seconds += verifying
             counts.verify_steps += 1
         take(out, proposed[:, 1:], agree, after, room)
+
+
+    def _profiles(self, counts: DraftCounts, gamma: int) -> bool:
+        """Whether this round runs under the profiler (`DraftCounts.profile_after`): its graphs are captured
+        already (a capture is not what a round costs), once per generation."""
+        return (counts.profile_after is not None and not counts.step_profiles and self.path == "graph" and gamma > 0
+                and counts.verify_steps >= counts.profile_after and {"draft", f"verify{gamma}"} <= self.graphs.keys())  # fmt: skip
+
+
+@contextlib.contextmanager
+def _profiled(counts: DraftCounts, name: str, steps: int):
+    """The device work of the block under torch.profiler; its kernel averages land in `counts.step_profiles`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+        torch.cuda.synchronize()
+    counts.step_profiles[name] = (prof.key_averages(), steps)
+
+
+@contextlib.contextmanager
+def _unprofiled(counts: DraftCounts, name: str, steps: int):
+    yield
 
 
 class _StepClock:
@@ -536,11 +569,11 @@ def decode_rounds(model, decoder: Decoder, sampler: Sampler, first: torch.Tensor
     try:
         while not out.done:
             before = [len(row) for row in out.rows]
-            steady = True  # a round that captured no graph
+            steady = True  # a round that captured no graph (and ran outside the profiler)
             if rounds is not None:
                 rounds.round(latest, sampler, out, counts)
                 counts.count(rounds.path)
-                steady = not rounds.captured
+                steady = rounds.steady
             else:
                 speculate(decoder, sampler, latest, AUTO_EAGER_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens,
                           out, counts)  # fmt: skip

@@ -354,6 +354,17 @@ MODEL_SHAPES: dict[str, ModelShape] = {
         "rms_norm_eps": 1e-6, "bos_token_id": 151643, "eos_token_id": 151643, "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
     }),
+    # Gemma 3 270M: 15 layers of a 512-token window around 3 global ones (5, 11, 17), one kv head of 256 channels,
+    # a 262,144-token vocabulary (the embedded asset's real weights: `load_model("gemma3-270m")`)
+    "gemma3-270m": ModelShape("gemma3_text", {
+        "vocab_size": 262144, "hidden_size": 640, "intermediate_size": 2048, "num_hidden_layers": 18,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "max_position_embeddings": 32768,
+        "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6, "sliding_window": 512,
+        "tie_word_embeddings": True,  # layer types from the config's default pattern: every sixth layer global
+        "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0,
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+    }),
     # Mistral-7B-v0.3: full attention (no sliding window), 32768-token vocab.
     "mistral-7b": ModelShape("mistral", {
         "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,

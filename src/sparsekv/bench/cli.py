@@ -226,7 +226,10 @@ def generate(
         )  # fmt: skip
     console.print(table)
     for r in result["summary"]:
-        if "step_profile" in r:
+        if "verify_profile" in r:  # a lossless row: a profiled round's draft step and verification
+            _print_step_profile(f"{r['row']} draft step", r["step_profile"])
+            _print_step_profile(f"{r['row']} verification", r["verify_profile"])
+        elif "step_profile" in r:
             _print_step_profile(r["row"], r["step_profile"])
     _write(result, output)
 
@@ -234,7 +237,8 @@ def generate(
 def _print_step_profile(row: str, profile: dict | None) -> None:
     """A row's captured step under the profiler (`bench.generate.kernel_profile`), heaviest kernels first."""
     if profile is None:
-        console.print(f"{row}: no captured step to profile (CUDA graphs decode on CUDA only)")
+        console.print(f"{row}: no captured step to profile (CUDA graphs decode on CUDA only; a lossless row "
+                      "profiles a round after its first timed ones)")
         return
     table = Table(title=f"{row}: {profile['kernels_per_step']:.0f} kernels a step, "
                         f"{profile['kernel_us_per_step']:.0f} µs of kernel time")  # fmt: skip

@@ -20,6 +20,7 @@ DEFAULT_SHAPE = {  # SmolLM2-135M(-Instruct), the embedded default model (random
 MODELS = {
     "default": ("tiny-llama", DEFAULT_SHAPE),
     "llama3-8b-random": ("llama3-8b", {}),
+    "gemma3-270m-random": ("gemma3-270m", {}),
 }
 
 

@@ -51,6 +51,8 @@ EAGER_SUFFIX = "@eager"
 COMPILE_SUFFIX = "@compile"
 LOSSLESS_SUFFIX = "@lossless"
 LOSSLESS_COMPILE_SUFFIX = "@lossless-compile"
+#: a lossless row's profiled round comes after that many timed ones (`DraftCounts.profile_after`)
+PROFILED_ROUND_AFTER = 2
 #: `--model` names with real weights (-> `models.load_model`'s name), prompts from the embedded essays
 REAL_MODELS = {"embedded": "default", "gemma3-270m": "gemma3-270m"}
 
@@ -177,7 +179,8 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
 
     if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
         return _time_lossless(model, ids, row, budget=budget, top_p=top_p, options=options, new_tokens=new_tokens,
-                              warmup=warmup, prefill_chunk_size=prefill_chunk_size, dense_layers=dense_layers)  # fmt: skip
+                              warmup=warmup, prefill_chunk_size=prefill_chunk_size, dense_layers=dense_layers,
+                              profile_step=profile_step)  # fmt: skip
     device = ids.device
     steps = new_tokens + warmup + 1
     runtime = []  # the row's SparseRuntime, once enabled
@@ -249,12 +252,16 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
 
 def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, options: dict | None,
                    new_tokens: int, warmup: int, prefill_chunk_size: int | None,
-                   dense_layers: tuple[int, ...] | None) -> dict:  # fmt: skip
+                   dense_layers: tuple[int, ...] | None, profile_step: int = 0) -> dict:  # fmt: skip
     """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, each row at its own pace; the rounds'
     timeline (`DraftCounts.timeline`) gives TPOT as the seconds per token of a row over the rounds after the first
     `warmup` tokens of a row and while every row is still decoding, steady rounds only: a round that captures a
     graph (the first fixed-shape one, and with `auto` the first round of each new number of drafts, which may come
-    after the warm-up) is left out, as the dense rows leave their capture step out in the warm-up."""
+    after the warm-up) is left out, as the dense rows leave their capture step out in the warm-up.
+
+    profile_step: that many of the heaviest kernels of a draft step ("step_profile", the glue between the draft
+    graphs included) and of a verification ("verify_profile"), from one round after the warm-up that is left out
+    of the timing (`DraftCounts.profile_after`)."""
     import sparsekv
 
     device, batch = ids.device, ids.shape[0]
@@ -272,6 +279,7 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
         with sparsekv.enabled(model, config, lossless=True, compile_step=compile_step) as rt:
             if compile_step:  # compiles the rounds' steps (dynamo keeps them for the next generation)
                 model.generate(ids, **kwargs)
+            rt.profile_round_after = PROFILED_ROUND_AFTER if profile_step else None
             model.generate(ids, streamer=clock, **kwargs)
             drafts = rt.drafts
             stats = sparsekv.last_cache(model).stats.summary()
@@ -298,7 +306,19 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
         "timed_tokens_per_row": tokens / batch,
         "timed_rounds": timed,
         "capture_rounds_left_out": left_out,
-    }
+    } | ({} if not profile_step else {
+        "step_profile": _round_profile(drafts, "draft", profile_step),
+        "verify_profile": _round_profile(drafts, "verify", profile_step),
+    })
+
+
+def _round_profile(drafts, name: str, top: int) -> dict | None:
+    """`kernel_profile` of a profiled lossless round's draft steps or verification (None: no round was profiled:
+    no CUDA graphs, or too few rounds)."""
+    if name not in drafts.step_profiles:
+        return None
+    events, steps = drafts.step_profiles[name]
+    return kernel_profile(events, steps, top)
 
 
 def rounds_tpot(timeline, batch: int, warmup: int, first_token_at: float):

@@ -42,6 +42,10 @@ NARROW_CHANNELS = 64
 #: start 32.2 -> 27.7 us at B128, 15.2 -> 8.6 us at B16 (the best launch of the sweep); one query over the whole
 #: buffer stays at 64 tokens (B128: 1027 us at 64, 1193 at 32).
 WIDE_CHANNELS = 128
+#: ... and where such a program holds more than 32 query rows and reads a window (a lossless verification's
+#: queries over a sliding window, each with its own valid row), a quarter of TUNE's tokens and half its programs per
+#: SM. H200, 9 queries x 4 heads, d 256, B128, a 512-slot window: 96.9 -> 57.6 us (the bytes take 15.8 us).
+WINDOW_QUERY_ROWS = 32
 #: shared memory a program may take (an H100's or H200's SM: 227 KB); a launch over it fails to compile
 SHARED_MEMORY_BYTES = 232448
 
@@ -52,12 +56,22 @@ def default_block(channels: int, query_rows: int, row_per_query: bool = False, w
     row_per_query: each query row loads its own valid row every step; window: the call reads from a `start`;
     element_size: bytes of a query / key channel."""
     if channels > WIDE_CHANNELS:
+        if window and query_rows > WINDOW_QUERY_ROWS:
+            return TUNE["block"] // 4
         block = TUNE["block"] // 2 if query_rows > 16 or window else TUNE["block"]
         # float32 rows of 256 channels, 64 query rows: Triton's buffers for the dots' layout conversions take
         # 262,400 bytes of shared memory at 32 tokens (sm_90, scripts/kernel_sass.py), 196,736 at 16
         return block // 2 if element_size > 2 and query_rows > 32 else block
     wide = channels <= NARROW_CHANNELS and query_rows <= (16 if row_per_query else 32)
     return 2 * TUNE["block"] if wide else TUNE["block"]
+
+
+def programs_per_sm(channels: int, query_rows: int, window: bool = False) -> int:
+    """How many programs of a row's splits an SM takes at most in one wave (the splits of a call), as
+    `default_block`'s rows: TUNE's, or half of it for wide rows of many queries over a window."""
+    if channels > WIDE_CHANNELS and window and query_rows > WINDOW_QUERY_ROWS:
+        return max(1, TUNE["sm_mult"] // 2)
+    return TUNE["sm_mult"]
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -301,14 +315,14 @@ def sparse_attention_triton(
         valid = valid.view(torch.uint8)
     # packed queries with a valid row each (no row shared over the queries): [G x Q, BLOCK] mask loads a step
     row_per_query = has_valid and pack > 1 and valid.stride(2) != 0
-    block = block or default_block(d, max(16, next_pow2(heads_per_row * pack)), row_per_query, start is not None,
-                                   query.element_size())  # fmt: skip
+    query_rows = max(16, next_pow2(heads_per_row * pack))
+    block = block or default_block(d, query_rows, row_per_query, start is not None, query.element_size())
     rows = b * s * q // pack
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
     if splits is None:
         # at most one wave of sm_mult resident programs per SM: a partial second wave adds a whole program's
         # latency (H200, 128K x B8, 64 rows: 9 splits 39.6 us, 8 splits 36.0 us)
-        splits = max(1, min(TUNE["sm_mult"] * sms // rows, triton.cdiv(kk, block)))
+        splits = max(1, min(programs_per_sm(d, query_rows, start is not None) * sms // rows, triton.cdiv(kk, block)))
     # the combine reads [SP, DP] partials as one Triton tensor (only an explicit `splits` nears its limit)
     splits = min(splits, MAX_TENSOR_NUMEL // next_pow2(d))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
