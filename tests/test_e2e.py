@@ -535,6 +535,19 @@ def test_bench_generate_lossless_rows_report_their_drafts():
         assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1
 
 
+def test_bench_generate_reports_the_rows_so_far_after_each_row():
+    """`on_row` (the CLI's --output) gets the payload after every row, marked incomplete until the last: a run
+    stopped in a later row keeps the rows it measured."""
+    from sparsekv.bench.generate import run_generate
+
+    seen = []
+    result = run_generate("tiny-llama", layers=3, context=64, batch=1, rows=("hf-dense", "streaming"),
+                          new_tokens=3, warmup=1, device="cpu", on_row=seen.append)  # fmt: skip
+    assert [len(p["results"]) for p in seen] == [1, 2] and not any(p["complete"] for p in seen)
+    assert [r["row"] for r in seen[0]["summary"]] == ["hf-dense"] and seen[0]["context"] == 64
+    assert result["complete"] and result["results"] == seen[-1]["results"]
+
+
 def test_lossless_tpot_leaves_out_the_warm_up_finished_rows_and_capture_rounds():
     """Two rows, first tokens at t=0: round 1 (warm-up) and round 3 (a capture) are left out, round 5 has a
     finished row; rounds 2 and 4 count: 0.3 s for 2 x 4 tokens, 0.075 s a token of a row."""

@@ -43,11 +43,12 @@ def _progress(line: str) -> None:
     Console(stderr=True).print(f"[dim]{line}[/dim]")
 
 
-def _write(result: dict, output: Path | None) -> None:
+def _write(result: dict, output: Path | None, quiet: bool = False) -> None:
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(result, indent=2))
-        console.print(f"wrote {output}")
+        if not quiet:
+            console.print(f"wrote {output}")
 
 
 @app.command()
@@ -197,7 +198,8 @@ def generate(
                           top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                           prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp, prefill=prefill,
                           profile_step=profile_step, dense_layers=_layers(dense_layers),
-                          options=parse_options(option), progress=_progress if rank == 0 else None)  # fmt: skip
+                          options=parse_options(option), progress=_progress if rank == 0 else None,
+                          on_row=(lambda so_far: _write(so_far, output, quiet=True)) if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it
         dist.destroy_process_group()

@@ -35,6 +35,7 @@ import datetime
 import gc
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -372,6 +373,7 @@ def run_generate(
     dense_layers: tuple[int, ...] | None = None,
     options: dict | None = None,
     progress=None,
+    on_row: Callable[[dict], None] | None = None,
 ) -> dict:
     """Every row of `rows` through `model.generate()` on the same random prompts, `rounds` times in turn.
 
@@ -392,7 +394,9 @@ def run_generate(
     options: method options, 'key' for every row's method that has it, 'method:key' for that method's rows
     (`registry.options_by_method`).
 
-    progress: called with a line of text as the model is ready and as each row ends (a long run shows its way)."""
+    progress: called with a line of text as the model is ready and as each row ends (a long run shows its way).
+    on_row: called after each row with the payload over the rows so far ("complete": False), which the CLI writes
+    to --output: a run stopped in a later row keeps what it measured. The payload returned has "complete": True."""
     from sparsekv.bench.e2e import build_model, check_fits
     from sparsekv.bench.e2e_model import tensor_parallel_model
     from sparsekv.registry import options_by_method
@@ -434,6 +438,9 @@ def run_generate(
         # a synthetic prefill caches `context` tokens: generate() takes them plus the one it feeds first
         length = context + (prefill == "synthetic")
         ids = torch.randint(3, net.config.vocab_size, (batch, length), generator=generator).to(dev)
+    report = _report(dev, model, tp, net, context=context, batch=batch, budget=budget, top_p=top_p,
+                     dense_below=dense_below, dense_layers=dense_layers, options=options or {}, new_tokens=new_tokens,
+                     warmup=warmup, prefill_chunk_size=prefill_chunk_size, prefill=prefill)  # fmt: skip
     results: list[dict] = []
     for round_index in range(rounds):
         for row in rows:
@@ -443,27 +450,33 @@ def run_generate(
                                   options=options_of.get(method_of(row)))  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
+            if timed.get("verify_ms") is not None:  # a lossless row's rounds, said before the later rows run
+                done += (f", accepted {timed['acceptance_rate'] or 0:.2f}, {timed['tokens_per_verification']:.2f} "
+                         f"tokens/verification, draft step {timed['draft_step_ms'] or 0:.2f} ms, verification "
+                         f"{timed['verify_ms']:.2f} ms, peak {(timed['peak_bytes'] or 0) / 1e9:.1f} GB")  # fmt: skip
             say(f"{row}: {done} ({time.perf_counter() - started:.0f} s in)")
-    return {
-        **run_environment(dev),
-        "model": model,
-        "tp": tp,
-        "rank": torch.distributed.get_rank() if tp > 1 else 0,
-        "layers": net.config.num_hidden_layers,
-        "context": context,
-        "batch": batch,
-        "budget": budget,
-        "top_p": top_p,
-        "dense_below": dense_below,
-        "dense_layers": dense_layers,
-        "options": options or {},
-        "new_tokens": new_tokens,
-        "warmup": warmup,
-        "prefill_chunk_size": prefill_chunk_size,
-        "prefill": prefill,
-        "results": results,
-        "summary": summarize(results),
-    }
+            if on_row is not None:
+                on_row(report(results, complete=False))
+    return report(results, complete=True)
+
+
+def _report(dev: torch.device, model: str, tp: int, net, **run) -> Callable[..., dict]:
+    """-> report(results, complete): the run's JSON payload over the rows timed so far."""
+
+    def report(results: list[dict], complete: bool) -> dict:
+        return {
+            **run_environment(dev),
+            "model": model,
+            "tp": tp,
+            "rank": torch.distributed.get_rank() if tp > 1 else 0,
+            "layers": net.config.num_hidden_layers,
+            **run,
+            "complete": complete,
+            "results": list(results),
+            "summary": summarize(results),
+        }
+
+    return report
 
 
 def check_prefill(prefill: str, rows: tuple[str, ...], *, model: str, prefill_chunk_size: int | None) -> None:
