@@ -503,7 +503,6 @@ class CapturedRounds:
             counts.verify_steps += 1
         take(out, proposed[:, 1:], agree, after, room)
 
-
     def _profiles(self, counts: DraftCounts, gamma: int) -> bool:
         """Whether this round runs under the profiler (`DraftCounts.profile_after`): its graphs are captured
         already (a capture is not what a round costs), once per generation."""
