@@ -18,8 +18,9 @@ variant's output against the default's or a reference). Sections (comma-separate
   (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
 - wide: the split-K attention at Gemma 3 270M's shapes (1 kv head x 4 query heads, d 256, 32,800 of 32,904
   slots written, B16 and B128): one query over the buffer, a 512-slot window read from its `start` (and without
-  it), a 9-query verification over the buffer and over each query's window; the default launch against a sweep of tile / warps / programs per SM / stages
-  (`_sparse_attention_triton.default_block`'s wide rows), each checked against the default's output.
+  it), a 9-query verification over the buffer and over each query's window; the default launch against a sweep
+  of tile / warps / programs per SM / stages (`_sparse_attention_triton.default_block`'s wide rows), each checked
+  against the default's output.
 
     python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape,wide]   # on a CUDA machine
     PROBE_BATCH=4 python3 scripts/gpu_probe.py selfindex   # at 128K x B4
