@@ -316,14 +316,10 @@ def _recent(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
 
 
 def _slot_positions(cache: SparseCache) -> torch.Tensor:
-    """[B or 1, capacity]: each slot's position in its row, built once per step. Every slot of the unpadded batch
-    holds the next position; in lossless rounds a row's masked slots hold none (a kept slot's position counts the
-    row's kept slots before it)."""
-    if cache.fixed_kept is None:
-        return cache.fixed_slots[None]
-    if "positions" not in cache.fixed_step:  # 32-bit: half the bytes of the scan and of the masks' compares
-        cache.fixed_step["positions"] = cache.fixed_kept.cumsum(-1, dtype=torch.int32) - 1
-    return cache.fixed_step["positions"]
+    """[B or 1, capacity]: each slot's position in its row: the slot itself in an unpadded batch; in lossless
+    rounds `SparseCache.fixed_positions`, where a row's masked slots hold none (a kept slot's position counts the
+    row's kept slots before it), brought up to date once a round (`SparseCache.keep_slots`)."""
+    return cache.fixed_slots[None] if cache.fixed_kept is None else cache.fixed_positions
 
 
 def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:

@@ -392,6 +392,9 @@ class SparseCache(Cache):
         #: row's real tokens [B, capacity] (padding and the drafts a row rejected in lossless rounds do not);
         #: `fixed_visible` is then [B, 1, capacity]
         self.fixed_kept: torch.Tensor | None = None
+        #: ... and each slot's position in its row [B, capacity] int32 (`keep_slots`): a kept slot's position counts
+        #: the row's kept slots before it, a masked one repeats the position before it
+        self.fixed_positions: torch.Tensor | None = None
         self.fixed_slots: torch.Tensor | None = None  # arange(capacity)
         self.fixed_start = 0  # tokens cached when fixed-shape decoding began
         #: the dense fallback (`SparseConfig.dense_below`): decode steps over fewer cached tokens (over the batch)
@@ -446,6 +449,7 @@ class SparseCache(Cache):
         batch = keys.shape[0] if rows else 1
         self.fixed_visible = torch.zeros(batch, 1, capacity, dtype=torch.bool, device=device)
         self.fixed_kept = torch.ones(batch, capacity, dtype=torch.bool, device=device) if rows else None
+        self.fixed_positions = self.fixed_slots.to(torch.int32).expand(batch, -1).clone() if rows else None
         self.stats.prepare_sums(device)
         self.host_counted = {}
         for layer in self.layers:
@@ -476,6 +480,14 @@ class SparseCache(Cache):
         dense fallback."""
         return cached_tokens < self.fallback_threshold
 
+    def keep_slots(self, start: int, kept: torch.Tensor) -> None:
+        """Fixed-shape decoding with rows of their own: row i keeps kept[i, j] ([B, n] bool) of slots start + j,
+        and the slot positions follow (in place: the captured steps read them). One scan a call, not one in
+        every step (lossless rounds call it once a round)."""
+        self.fixed_kept[:, start : start + kept.shape[1]] = kept
+        torch.cumsum(self.fixed_kept, -1, dtype=torch.int32, out=self.fixed_positions)
+        self.fixed_positions -= 1
+
     def prepare_fixed_step(self) -> None:
         """Points the step at its position (device ops only: a CUDA graph captures them with the step)."""
         if self.fixed_kept is None:
@@ -499,7 +511,7 @@ class SparseCache(Cache):
             self._record_host_counted_steps()
         for layer in self.layers:
             layer.end_fixed_shape(self.fixed_start if self.fixed_dense else None)
-        self.fixed_position = self.fixed_visible = self.fixed_slots = self.fixed_kept = None
+        self.fixed_position = self.fixed_visible = self.fixed_slots = self.fixed_kept = self.fixed_positions = None
 
     def _record_dense_steps(self) -> None:
         """The stats of the dense fallback's fixed-shape steps: every visible token of each sparse layer's rows."""

@@ -362,7 +362,7 @@ class CapturedRounds:
     CUDA graph (`graph_decode.capture`; on CPU the same steps run without graphs). Nothing is rolled back: a round
     writes `draft_tokens + 1` slots, the verification rewrites the slots the drafts wrote (the methods' state is
     one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
-    (`SparseCache.fixed_kept`). One host read per round: how many drafts each row accepted. A sliding-window
+    (`SparseCache.keep_slots`). One host read per round: how many drafts each row accepted. A sliding-window
     layer counts its window in each row's own positions (`attention._recent`), so rows of a hybrid model (Gemma 3)
     also take their own drafts here.
 
@@ -377,7 +377,7 @@ class CapturedRounds:
         cache = self.cache
         self.slot = cache.layers[0].length  # the next round's first slot
         cache.begin_fixed_shape(capacity, rows=True, compiled=step_forward is not None)
-        cache.fixed_kept[:, : self.slot] = decoder.mask.bool()
+        cache.keep_slots(0, decoder.mask.bool())
         self.capacity = capacity
         self.positions = decoder.mask.sum(-1, keepdim=True)  # [B, 1]: each row's next position
         self.batch, self.device = decoder.mask.shape[0], decoder.mask.device
@@ -486,7 +486,7 @@ class CapturedRounds:
         else:  # a plain dense step
             agree, after = torch.zeros_like(last), sampler.draw(dense_logits[:, 0])[0]
         agree = torch.where(active, agree, 0)  # a finished row keeps its last token's slot only
-        cache.fixed_kept[:, start : start + gamma + 1] = self.offsets[: gamma + 1] <= agree[:, None]
+        cache.keep_slots(start, self.offsets[: gamma + 1] <= agree[:, None])
         self.positions += agree[:, None] + 1
         self.slot = start + gamma + 1
         for layer in cache.layers:
