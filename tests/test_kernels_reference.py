@@ -289,6 +289,24 @@ def test_sparse_attention_start_skips_the_entries_before_it():
         sparse_attention(query, keys, values, indices, None, 0.3, limit=torch.tensor([10]), start=torch.tensor([4.0]))
 
 
+def test_sparse_attention_start_per_row_and_query_skips_each_ones_entries_before_it():
+    """`start` [B, Q]: query i of row b reads from start[b, i] (a window per query in a verification of rows that
+    kept different slots); a shape that is neither one element nor (batch, queries) is refused."""
+    from sparsekv.kernels.sparse_attention import sparse_attention
+
+    gen = torch.Generator().manual_seed(6)
+    query, keys, values = torch.randn(2, 4, 3, 8, generator=gen), *torch.randn(2, 2, 2, 12, 8, generator=gen)
+    indices = torch.arange(12).expand(2, 2, 3, 12)
+    start = torch.tensor([[1, 2, 3], [5, 5, 7]])
+    windowed = sparse_attention(query, keys, values, indices, None, 0.3, limit=torch.tensor([11]), start=start)
+    valid = (torch.arange(12) >= start[:, None, :, None]) & (torch.arange(12) < 11)
+    assert torch.equal(windowed, sparse_attention(query, keys, values, indices, valid.expand(2, 2, 3, 12), 0.3))
+    assert not torch.equal(windowed, sparse_attention(query, keys, values, indices, None, 0.3, limit=torch.tensor([11]),
+                                                      start=torch.tensor([1])))  # fmt: skip
+    with pytest.raises(ValueError, match=r"of shape \(2, 3\) \(batch, queries\), got torch.int64 \(3, 2\)"):
+        sparse_attention(query, keys, values, indices, None, 0.3, limit=torch.tensor([11]), start=start.T)
+
+
 def test_select_within_reference_keeps_each_rows_budget_in_index_order():
     from sparsekv.kernels.select_within import select_within_reference
 

@@ -542,6 +542,34 @@ def test_sparse_attention_start_triton(impl, q, start, limit, splits, d):
 
 
 @here
+@pytest.mark.parametrize("q,limit,splits,d", [(1, 300, 3, 64), (9, 333, 2, 64), (9, 290, 1, 256), (5, 141, 3, 256),
+                                               (1, 77, 2, 256)])  # fmt: skip
+def test_sparse_attention_start_per_row_and_query_triton(impl, q, limit, splits, d):
+    """`start` [B, Q]: each row's queries read from their own first entries, under one valid row shared by every
+    query and a causal limit (a lossless verification's window per query over the slots its row kept; q 1: a
+    draft step's window per row). The program reads from its queries' least start and masks each query's own."""
+    kernel = impl["_sparse_attention_triton"]
+    gen = torch.Generator().manual_seed(limit + q + d)
+    b, hq, hkv, n = 3, 4, 1, 333
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys = torch.randn(b, hkv, n, d, generator=gen)
+    values = torch.randn(b, hkv, n, d, generator=gen)
+    indices = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+    kept = (torch.rand(b, 1, 1, n, generator=gen) < 0.8) | (torch.arange(n) == limit - q)
+    first = torch.randint(0, limit - q, (b, 1), generator=gen) + torch.arange(q)  # nondecreasing per row
+    own = torch.arange(n)[None, :] <= torch.arange(limit - q, limit)[:, None]
+    valid = (kept & own & (torch.arange(n) >= first[:, None, :, None])).expand(b, hkv, q, n)
+    ref = sparse_attention_reference(query.double(), keys.double(), values.double(), indices, valid, d**-0.5)
+    shared = torch.arange(n, device=DEV).view(1, 1, 1, n).expand(b, hkv, q, n)
+    out = kernel.sparse_attention_triton(query.to(DEV), keys.to(DEV), values.to(DEV), shared,
+                                         kept.expand(b, hkv, q, n).to(DEV), d**-0.5, splits=splits,
+                                         limit=torch.tensor([limit], device=DEV), causal=True,
+                                         start=first.to(torch.int32).to(DEV))  # fmt: skip
+    err = (out.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-4, float(err)
+
+
+@here
 @pytest.mark.parametrize("q,limit,splits,masked", [(9, 290, 2, True), (9, 333, 1, False), (5, 77, 3, True),
                                                    (2, 150, 1, True)])  # fmt: skip
 def test_sparse_attention_causal_triton(impl, q, limit, splits, masked):

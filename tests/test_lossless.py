@@ -361,7 +361,7 @@ def test_compiled_lossless_rounds_equal_plain_greedy(tiny):
 def test_a_sliding_window_model_decodes_losslessly(graph_decode):
     """Gemma 3's sliding windows: eager rounds go through transformers' masks, whose windows count cache slots, so
     a batch takes its shortest accepted prefix there (with per-row masked slots this batch's output differed);
-    fixed-shape rounds count each row's own positions (`attention._recent`), so every row takes its own drafts.
+    fixed-shape rounds count each row's own positions (`attention._window_start`), so every row takes its own drafts.
     Both give plain greedy's output."""
     from sparsekv.models import random_model
 

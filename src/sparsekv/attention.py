@@ -293,49 +293,25 @@ def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Ten
     return cache.fixed_step[name]
 
 
-def _window_verify_mask(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
-    """[B or 1, 1, Q, capacity] bool: the slots each of a fixed-shape forward's `q_len` queries attends densely in
-    a sliding-window layer (its own and earlier slots that its row keeps, within the last `window` positions of
-    the row's own tokens); built once per step and window."""
-    shared = cache.fixed_step
-    name = f"verify{q_len}:{window}"
-    if name not in shared:
-        causal = cache.fixed_slots[None, :] <= fixed_slots(cache.fixed_position, q_len)[:, None]  # [Q, capacity]
-        kept = cache.fixed_kept[:, None, :] if cache.fixed_kept is not None else causal.new_ones(1, 1, 1)
-        shared[name] = (causal[None] & kept & _recent(cache, q_len, window))[:, None]
-    return shared[name]
-
-
-def _recent(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
-    """[B or 1, Q, capacity] bool: the slots whose token lies within the last `window` positions of each of the
-    step's `q_len` queries (itself included), counting a row's own tokens: in lossless rounds a row's masked
-    slots hold no position, so its window reaches back over as many slots as it masked."""
-    positions = _slot_positions(cache)
-    queries = positions.index_select(-1, fixed_slots(cache.fixed_position, q_len))  # [B or 1, Q]
-    return positions[:, None, :] > queries[..., None] - window
-
-
-def _slot_positions(cache: SparseCache) -> torch.Tensor:
-    """[B or 1, capacity]: each slot's position in its row: the slot itself in an unpadded batch; in lossless
-    rounds `SparseCache.fixed_positions`, where a row's masked slots hold none (a kept slot's position counts the
-    row's kept slots before it), brought up to date once a round (`SparseCache.keep_slots`)."""
-    return cache.fixed_slots[None] if cache.fixed_kept is None else cache.fixed_positions
-
-
 def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
-    """[1]: the first slot that a sliding-window layer's `q_len` queries can see in a fixed-shape forward (the
-    earliest query's window as `_recent` counts it, the least over the rows), where its reads of the buffer
-    start: the layer then reads its window, not every written slot (H200, Gemma 3 270M at 32K x B16: a sliding
-    layer's dense step took as long as a global layer's). Built once per step and window."""
+    """The first slot that each of a fixed-shape forward's `q_len` queries sees in a sliding-window layer (the last
+    `window` positions of its row, its own included), where that query's reads of the buffer start: the layer then
+    reads its window, not every written slot (H200, Gemma 3 270M at 32K x B16: a sliding layer's dense step took as
+    long as a global layer's). [1] where every row and query share it (one new token of an unpadded batch: slot =
+    position), else [B or 1, Q]. In lossless rounds a row's masked slots hold no position
+    (`SparseCache.fixed_positions`), so its window reaches back over as many slots as it masked. Built once per
+    step and window."""
     shared = cache.fixed_step
     name = f"start{q_len}:{window}"
     if name not in shared:
+        slots = fixed_slots(cache.fixed_position, q_len)  # [Q]: the queries' own slots
         if cache.fixed_kept is None:  # slot = position
-            shared[name] = (cache.fixed_position - window + 1).clamp(min=0)
-        else:  # a row's masked slots hold no position: its window starts after the slots at or below first - window
-            positions = _slot_positions(cache)
-            first = positions.index_select(-1, cache.fixed_position)  # [B, 1]: the earliest query's position
-            shared[name] = (positions <= first - window).sum(-1).amin().view(1)
+            first = (slots - window + 1).clamp(min=0)
+            shared[name] = first if q_len == 1 else first.view(1, q_len)
+        else:  # a row's positions never decrease along its slots: its window starts past those <= its own - window
+            positions = cache.fixed_positions  # [B, capacity]
+            queries = positions.index_select(-1, slots)  # [B, Q]
+            shared[name] = torch.searchsorted(positions, queries - window, right=True, out_int32=True)
     return shared[name]
 
 
@@ -360,32 +336,22 @@ def _written(cache: SparseCache, q_len: int) -> torch.Tensor:
 def _verify_attention(query, key, value, cache: SparseCache, scale: float, window: int | None) -> torch.Tensor:
     """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
     queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
-    mask was twice a dense step: it copies K/V per query head, or reads them per query block). `window`: a
-    sliding-window layer's."""
+    mask was twice a dense step: it copies K/V per query head, or reads them per query block). Causality comes
+    from the written count, and one row of kept slots serves every query (H200, the embedded model's 9 queries over
+    8,448 written slots, B128: 414 us a layer with a mask row per query, 270 with one); a sliding-window layer
+    (`window`) starts each query at its own window's first slot."""
     batch, _, q_len, _ = query.shape
     heads = key.shape[1]
     every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
-    written = _written(cache, q_len)
-    if window is not None:  # each query's own window: a mask row per query, read from the earliest one's start
-        seen = _window_verify_mask(cache, q_len, window).expand(batch, heads, -1, -1)
-        out = sparse_attention(query, key, value, every, seen, scale, limit=written,
-                               start=_window_start(cache, q_len, window))  # fmt: skip
-    else:  # causality from the written count, and one row of kept slots for every query (H200, the embedded
-        # model's 9 queries over 8,448 written slots, B128: 414 us a layer with a mask row per query, 270 with one)
-        kept = cache.fixed_kept
-        seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
-        out = sparse_attention(query, key, value, every, seen, scale, limit=written, causal=True)
+    kept = cache.fixed_kept
+    seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
+    start = None
+    if window is not None:
+        start = _window_start(cache, q_len, window)
+        start = start if start.numel() == 1 else start.expand(batch, q_len)
+    out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), causal=True,
+                           start=start)  # fmt: skip
     return out.transpose(1, 2).contiguous()
-
-
-def _window_visible(cache: SparseCache, window: int) -> torch.Tensor:
-    """[B or 1, 1, capacity]: the cached slots within the last `window` positions of the step's token (itself
-    included), as a sliding-window layer sees them (`_recent`); built once per step and window."""
-    shared = cache.fixed_step
-    name = f"window{window}"
-    if name not in shared:
-        shared[name] = cache.fixed_visible & _recent(cache, 1, window)
-    return shared[name]
 
 
 def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, layer):
@@ -408,15 +374,16 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         if selector is not None:
             selector.complete_append()
         return _verify_attention(query, key, value, cache, scale, info.window if info.sliding else None), None
-    if selector is None:  # a dense layer: every cached token, through the same split-K kernel
+    if selector is None:  # a dense layer: every written slot that its row keeps, through the same split-K kernel
         start = None
         if info.sliding:  # its window of the latest tokens only, read from the window's first slot
-            visible = _window_visible(cache, info.window).expand(batch, q_len, -1)
             start = _window_start(cache, q_len, info.window)
+            start = start if start.numel() == 1 else start.expand(batch, q_len)
         heads = key.shape[1]
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
-        out = sparse_attention(query, key, value, every, visible[:, None].expand(-1, heads, -1, -1), scale,
-                               limit=_written(cache, q_len), start=start)  # fmt: skip
+        kept = cache.fixed_kept  # None: an unpadded batch, whose written slots all hold tokens
+        seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
+        out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), start=start)
         return out.transpose(1, 2).contiguous(), None
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,

@@ -363,7 +363,7 @@ class CapturedRounds:
     writes `draft_tokens + 1` slots, the verification rewrites the slots the drafts wrote (the methods' state is
     one entry per slot: `TokenSelector.slot_state`), and each row masks the drafts it rejected
     (`SparseCache.keep_slots`). One host read per round: how many drafts each row accepted. A sliding-window
-    layer counts its window in each row's own positions (`attention._recent`), so rows of a hybrid model (Gemma 3)
+    layer counts its window in each row's own positions (`attention._window_start`), so rows of a hybrid model (Gemma 3)
     also take their own drafts here.
 
     step_forward: the forward both steps run (the model's own when None), e.g. its `torch.compile` version

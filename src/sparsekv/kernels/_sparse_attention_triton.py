@@ -172,6 +172,8 @@ def _partial_kernel(
     svlb,
     svls,
     svlq,
+    sstb,
+    sstq,
     G: tl.constexpr,
     GP: tl.constexpr,
     D: tl.constexpr,
@@ -188,6 +190,7 @@ def _partial_kernel(
     VALID_PER_QUERY: tl.constexpr = True,
     CAUSAL: tl.constexpr = False,
     START: tl.constexpr = False,
+    START_PER_QUERY: tl.constexpr = False,
 ):
     pdl_enter(USE_PDL)
     sp, r = chunk_and_row()
@@ -224,8 +227,10 @@ def _partial_kernel(
         # an empty partial
         written = tl.load(limit_ptr).to(tl.int32)
         hi = tl.minimum(written, K)
-        if START:
-            lo = tl.minimum(tl.maximum(tl.load(start_ptr).to(tl.int32), 0), hi)
+        if START:  # each query's first entry; the program reads from the least of its queries'
+            first = tl.load(start_ptr + b.to(tl.int64) * sstb + query_of.to(tl.int64) * sstq, mask=hmask,
+                            other=0).to(tl.int32)  # fmt: skip
+            lo = tl.minimum(tl.maximum(tl.min(tl.where(hmask, first, hi), axis=0), 0), hi)
         else:
             lo = hi * 0
         share = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK) * BLOCK
@@ -256,6 +261,8 @@ def _partial_kernel(
             attended = ok[None, :]
         if CAUSAL:
             attended = attended & (offs[None, :] <= last[:, None])
+        if START_PER_QUERY:  # packed queries that start at different entries (a window per query)
+            attended = attended & (offs[None, :] >= first[:, None])
         sc = tl.where(attended, sc, float("-inf"))
         m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
         acc = acc * corr[:, None] + tl.dot(p.to(vt.dtype), vt, input_precision=PREC)
@@ -340,6 +347,8 @@ def sparse_attention_triton(
     # combine kernel then merges
     merge = merge and tickets is not None
     merge = merge and next_pow2(heads_per_row * pack) * next_pow2(splits) * next_pow2(d) <= MAX_TENSOR_NUMEL
+    # start: one entry for every query, or one per (row, query) ([B, Q], possibly expanded)
+    start_strides = (0, 0) if start is None or start.numel() == 1 else start.stride()
     _partial_kernel[row_grid("sparse_attention", query.shape, splits, rows)](
         query,
         keys,
@@ -365,6 +374,7 @@ def sparse_attention_triton(
         *values.stride()[:3],
         *indices.stride()[:3],
         *valid.stride()[:3],
+        *start_strides,
         G=heads_per_row,
         GP=max(16, next_pow2(heads_per_row * pack)),
         D=d,
@@ -382,6 +392,7 @@ def sparse_attention_triton(
         VALID_PER_QUERY=row_per_query,
         CAUSAL=causal,
         START=start is not None,
+        START_PER_QUERY=pack > 1 and start_strides[1] != 0,
         **pdl_launch(query.device),
     )
     if merge:

@@ -41,8 +41,9 @@ def sparse_attention_reference(
         if causal:  # [Q, 1]: one past each query's own entry
             ends = limit.view(1, 1) - query.shape[2] + 1 + torch.arange(query.shape[2], device=indices.device)[:, None]
         valid = valid & (entries < ends)
-        if start is not None:
-            valid = valid & (entries >= start.view(1))
+        if start is not None:  # one first entry for every query, or one per (row, query)
+            first = start.view(1) if start.numel() == 1 else start[:, None, :, None]
+            valid = valid & (entries >= first)
     batch, num_heads, q_len, dim = query.shape
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
@@ -83,18 +84,22 @@ def sparse_attention(
     causal (needs `limit`): the entries just below `limit` are the Q queries' own tokens, in order (a forward of Q
     new tokens over a buffer of slots): query i reads none from limit - Q + i + 1 on. `valid` may then be one row
     for every query ([B, S, 1, K] expanded over Q), which the kernel reads once, not once per query.
-    start (needs `limit`): an integer tensor of one element: the entries before it are not read either, and the
-    splits of a row share the entries from `start` to `limit` between them. A sliding-window layer's step over a
-    buffer of slots passes the first slot its window reaches, so it reads its window, not the whole buffer."""
+    start (needs `limit`): an integer tensor of one element, or [B, Q] (each row's and query's own): the entries
+    before it are not read either, and the splits of a row share the entries from its queries' least `start` to
+    `limit` between them. A sliding-window layer's step over a buffer of slots passes the first slot each query's
+    window reaches, so it reads its window, not the whole buffer."""
     if causal and limit is None:
         raise ValueError("causal attention needs `limit`: the entry after the queries' own tokens")
     if start is not None and limit is None:
         raise ValueError("start needs `limit`: the entries from `start` to `limit` are the ones read")
+    rows = (query.shape[0], query.shape[2])
     for name, bound in (("limit", limit), ("start", start)):
         if bound is None:
             continue
-        if bound.numel() != 1 or bound.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{name} must be an integer tensor of one element, got {bound.dtype} {tuple(bound.shape)}")
+        shaped = bound.numel() == 1 or (name == "start" and tuple(bound.shape) == rows)
+        if not shaped or bound.dtype not in (torch.int32, torch.int64):
+            allowed = "of one element" if name == "limit" else f"of one element or of shape {rows} (batch, queries)"
+            raise ValueError(f"{name} must be an integer tensor {allowed}, got {bound.dtype} {tuple(bound.shape)}")
         if bound.device != query.device:
             raise ValueError(f"{name} is on {bound.device}, the query on {query.device}")
     if tickets is not None:
