@@ -548,6 +548,25 @@ def test_bench_generate_reports_the_rows_so_far_after_each_row():
     assert result["complete"] and result["results"] == seen[-1]["results"]
 
 
+def test_bench_generate_frees_the_compiled_forward_of_an_hf_static_compile_row(monkeypatch):
+    """transformers keeps the forward it compiled for a static cache on the model, with the CUDA graphs that hold
+    that row's cache: the row drops it, so the rows after it do not start with its memory taken."""
+    from sparsekv.bench import generate
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-llama", num_hidden_layers=2)
+    resets = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(True))
+    ids = torch.randint(3, model.config.vocab_size, (1, 32))
+    for row in ("hf-dense", "hf-static-compile"):
+        model._compiled_call = model.__call__  # as transformers leaves it after compiling
+        result = generate.time_generate(model, ids, row, budget=0.1, top_p=None, new_tokens=2, warmup=1,
+                                        prefill_chunk_size=None)  # fmt: skip
+        assert result["tpot_ms"] > 0
+        assert hasattr(model, "_compiled_call") == (row == "hf-dense")
+    assert resets == [True]
+
+
 def test_lossless_tpot_leaves_out_the_warm_up_finished_rows_and_capture_rounds():
     """Two rows, first tokens at t=0: round 1 (warm-up) and round 3 (a capture) are left out, round 5 has a
     finished row; rounds 2 and 4 count: 0.3 s for 2 x 4 tokens, 0.075 s a token of a row."""

@@ -232,6 +232,9 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
                 paths = dict(rt.graph.steps)
     except torch.OutOfMemoryError as error:
         return result | {"error": f"out of memory: {str(error).splitlines()[0][:200]}"}
+    finally:
+        if row == "hf-static-compile":
+            release_compiled_forward(model)
     times = clock.times  # prompt, first token (end of the prefill), then one per decode step
     timed = times[2 + warmup :]
     tpot = (timed[-1] - times[1 + warmup]) / len(timed)
@@ -249,6 +252,20 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     if profile_step:
         result["step_profile"] = step.get("profile")
     return result
+
+
+def release_compiled_forward(model) -> None:
+    """Frees what an `hf-static-compile` row leaves behind: transformers keeps its compiled forward on the model
+    (`_compiled_call`, compiled with `reduce-overhead`, whose CUDA graphs keep their memory pool and the static
+    cache they captured), so the next row would start with this row's cache still allocated (H200, Gemma 3 270M at
+    32K x B192: the captured dense row after it ran out of memory with 138 GiB in use). Later compiled rows
+    compile again."""
+    if hasattr(model, "_compiled_call"):
+        del model._compiled_call
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, options: dict | None,
