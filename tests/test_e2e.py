@@ -535,6 +535,20 @@ def test_bench_generate_lossless_rows_report_their_drafts():
         assert row["decode_paths"]["eager: first round"] == 1 and row["decode_paths"]["eager: no CUDA device"] >= 1
 
 
+def test_bench_generate_lossless_rows_draft_the_count_they_are_given():
+    """--draft-tokens: the rounds of a lossless row draft that many tokens (auto chooses round by round); a bad
+    count is refused before the model is built."""
+    from sparsekv.bench.generate import run_generate
+    from sparsekv.config import ConfigError
+
+    result = run_generate("tiny-llama", layers=3, context=96, batch=2, rows=("streaming@lossless:0.5",),
+                          new_tokens=12, warmup=2, device="cpu", draft_tokens=3)  # fmt: skip
+    drafts = result["summary"][0]["drafts_per_round"]  # the last round may draft fewer: the tokens left
+    assert max(drafts) == 3 and drafts[3] >= 2 and result["draft_tokens"] == 3
+    with pytest.raises(ConfigError, match="draft_tokens must be an int >= 1 or 'auto', got 0"):
+        run_generate("tiny-llama", layers=3, context=96, rows=("streaming@lossless",), device="cpu", draft_tokens=0)
+
+
 def test_bench_generate_reports_the_rows_so_far_after_each_row():
     """`on_row` (the CLI's --output) gets the payload after every row, marked incomplete until the last: a run
     stopped in a later row keeps the rows it measured."""

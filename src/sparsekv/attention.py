@@ -333,6 +333,22 @@ def _written(cache: SparseCache, q_len: int) -> torch.Tensor:
     return cache.fixed_step[name]
 
 
+def _dense_tickets(cache: SparseCache, query: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """The split-K kernel's tickets for a dense layer's decode step at fixed shapes (one per batch row and kv head):
+    its rows' last splits merge the partials, one launch fewer a layer. (A verification's packed queries merge in
+    the combine kernel: the last split's tile of G x Q rows would weigh on the whole kernel.) One buffer, made
+    outside CUDA graph capture (`graph_decode.capture` runs the step once before it captures) and kept while the
+    fixed-shape steps last: the kernel leaves it at zero, and every replay reads the same one. None off CUDA and
+    for several queries."""
+    if query.device.type != "cuda" or query.shape[2] != 1:
+        return None
+    rows = query.shape[0] * heads
+    tickets = cache.fixed_tickets.get(rows)
+    if tickets is None and not torch.cuda.is_current_stream_capturing():
+        tickets = cache.fixed_tickets[rows] = torch.zeros(rows, dtype=torch.int32, device=query.device)
+    return tickets
+
+
 def _verify_attention(query, key, value, cache: SparseCache, scale: float, window: int | None) -> torch.Tensor:
     """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
     queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
@@ -383,7 +399,8 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
         kept = cache.fixed_kept  # None: an unpadded batch, whose written slots all hold tokens
         seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
-        out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), start=start)
+        out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), start=start,
+                               tickets=_dense_tickets(cache, query, heads))  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,

@@ -404,6 +404,9 @@ class SparseCache(Cache):
         self.fixed_dense = False
         #: what every layer of the step in flight shares (built by the first layer that needs it, in the graph)
         self.fixed_step: dict[str, torch.Tensor] = {}
+        #: fixed-shape decoding on CUDA: the split-K attention's tickets of the dense layers' calls, per number of
+        #: rows (`attention._dense_tickets`), kept while the fixed-shape steps last (captured steps point at them)
+        self.fixed_tickets: dict[int, torch.Tensor] = {}
         #: layer -> selection rows of the layers whose fixed-shape steps attend each row's budget exactly
         #: (`Selection.exact_budgets`): their stats are counted on the host when fixed-shape decoding ends
         self.host_counted: dict[int, int] = {}
@@ -446,6 +449,7 @@ class SparseCache(Cache):
         self.fixed_dense = fell_back or self.decodes_densely((length + 1) * keys.shape[0])
         self.fixed_position = torch.full((1,), length, dtype=torch.long, device=device)
         self.fixed_slots = torch.arange(capacity, device=device)
+        self.fixed_tickets = {}
         batch = keys.shape[0] if rows else 1
         self.fixed_visible = torch.zeros(batch, 1, capacity, dtype=torch.bool, device=device)
         self.fixed_kept = torch.ones(batch, capacity, dtype=torch.bool, device=device) if rows else None

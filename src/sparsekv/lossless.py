@@ -47,7 +47,7 @@ class DraftCounts:
     draft_steps: int = 0
     verify_seconds: float = 0.0
     verify_steps: int = 0
-    #: fixed-shape rounds per number of drafts (`draft_tokens="auto"` chooses it round by round)
+    #: rounds per number of drafts (`draft_tokens="auto"` chooses it round by round)
     drafts_per_round: dict[int, int] = field(default_factory=dict)
     #: CUDA: the graph-replayed round after that many timed ones runs under torch.profiler, its draft steps and
     #: its verification apart, and is left out of the timing (None: no profile)
@@ -84,6 +84,7 @@ class DraftCounts:
         self.rejected += rejected
         self.verifications += 1
         self.rows_verified += rows
+        self.drafts_per_round[gamma] = self.drafts_per_round.get(gamma, 0) + 1
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -492,7 +493,6 @@ class CapturedRounds:
         for layer in cache.layers:
             layer.length = self.slot
         counts.add_round(gamma, agree, active)
-        counts.drafts_per_round[gamma] = counts.drafts_per_round.get(gamma, 0) + 1
         self.steady = len(self.graphs) == graphs and profiled is _unprofiled
         if self.steady:  # a round that captured a graph, or ran under the profiler, is not timed
             drafting, verifying = clock.seconds()

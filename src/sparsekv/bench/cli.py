@@ -184,13 +184,15 @@ def generate(
         "heaviest kernels (0: no profile)")] = 0,
     option: Annotated[list[str] | None, typer.Option("--option", "-o", help=(
         "key=value for every row's method that has the option, or method:key=value (repeatable)"))] = None,
+    draft_tokens: Annotated[str, typer.Option(
+        help="lossless rows: tokens drafted per verification, or auto (chosen round by round)")] = "auto",
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
 ) -> None:
     """Decode TPOT through model.generate(): HF dense, HF static cache + compile and each method, one process."""
     import torch.distributed as dist
 
     from sparsekv.bench.generate import decode_path, run_generate
-    from sparsekv.cli_options import parse_options
+    from sparsekv.cli_options import draft_count, parse_options
 
     names = tuple(r.strip() for r in rows.split(",") if r.strip())
     rank = int(os.environ.get("RANK", "0"))
@@ -198,7 +200,8 @@ def generate(
                           top_p=top_p, dense_below=dense_below, new_tokens=new_tokens, warmup=warmup,
                           prefill_chunk_size=prefill_chunk_size, rounds=rounds, tp=tp, prefill=prefill,
                           profile_step=profile_step, dense_layers=_layers(dense_layers),
-                          options=parse_options(option), progress=_progress if rank == 0 else None,
+                          options=parse_options(option), draft_tokens=draft_count(draft_tokens),
+                          progress=_progress if rank == 0 else None,
                           on_row=(lambda so_far: _write(so_far, output, quiet=True)) if rank == 0 else None)  # fmt: skip
     if dist.is_initialized():
         dist.barrier()  # no rank tears the group down while another still talks to it

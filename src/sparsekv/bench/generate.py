@@ -43,6 +43,7 @@ from sparsekv.bench.e2e_run import synthetic_fill, synthetic_hf_cache
 from sparsekv.cache import SparseCache
 from sparsekv.config import ConfigError, SparseConfig
 from sparsekv.hf_compat import cache_kwargs
+from sparsekv.lossless import check_lossless
 
 HF_ROWS = ("hf-dense", "hf-static-compile")
 #: how a row's prompt gets into its cache: the model's own prefill, or K/V written directly (`time_generate`)
@@ -166,7 +167,8 @@ def config_for(row: str, budget: float, top_p: float | None, dense_below: int | 
 def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, new_tokens: int,
                   warmup: int, prefill_chunk_size: int | None, dense_below: int | None = None,
                   prefill: str = "model", seed: int = 0, profile_step: int = 0,
-                  dense_layers: tuple[int, ...] | None = None, options: dict | None = None) -> dict:  # fmt: skip
+                  dense_layers: tuple[int, ...] | None = None, options: dict | None = None,
+                  draft_tokens: int | str = "auto") -> dict:  # fmt: skip
     """One `model.generate()` of `row` on `ids` -> TPOT over the steps after `warmup`, prefill seconds, peak memory
     and (methods) the tokens attended per step.
 
@@ -181,7 +183,7 @@ def time_generate(model, ids: torch.Tensor, row: str, *, budget: float, top_p: f
     if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
         return _time_lossless(model, ids, row, budget=budget, top_p=top_p, options=options, new_tokens=new_tokens,
                               warmup=warmup, prefill_chunk_size=prefill_chunk_size, dense_layers=dense_layers,
-                              profile_step=profile_step)  # fmt: skip
+                              profile_step=profile_step, draft_tokens=draft_tokens)  # fmt: skip
     device = ids.device
     steps = new_tokens + warmup + 1
     runtime = []  # the row's SparseRuntime, once enabled
@@ -270,7 +272,8 @@ def release_compiled_forward(model) -> None:
 
 def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: float | None, options: dict | None,
                    new_tokens: int, warmup: int, prefill_chunk_size: int | None,
-                   dense_layers: tuple[int, ...] | None, profile_step: int = 0) -> dict:  # fmt: skip
+                   dense_layers: tuple[int, ...] | None, profile_step: int = 0,
+                   draft_tokens: int | str = "auto") -> dict:  # fmt: skip
     """`time_generate` of a `<method>@lossless` row. Tokens come in rounds, each row at its own pace; the rounds'
     timeline (`DraftCounts.timeline`) gives TPOT as the seconds per token of a row over the rounds after the first
     `warmup` tokens of a row and while every row is still decoding, steady rounds only: a round that captures a
@@ -294,7 +297,7 @@ def _time_lossless(model, ids: torch.Tensor, row: str, *, budget: float, top_p: 
     kwargs = {"attention_mask": torch.ones_like(ids), "max_new_tokens": warmup + new_tokens + 1, "do_sample": False,
               "eos_token_id": [], "pad_token_id": 0, "prefill_chunk_size": prefill_chunk_size}  # fmt: skip
     try:
-        with sparsekv.enabled(model, config, lossless=True, compile_step=compile_step) as rt:
+        with sparsekv.enabled(model, config, lossless=True, draft_tokens=draft_tokens, compile_step=compile_step) as rt:
             if compile_step:  # compiles the rounds' steps (dynamo keeps them for the next generation)
                 model.generate(ids, **kwargs)
             rt.profile_round_after = PROFILED_ROUND_AFTER if profile_step else None
@@ -389,6 +392,7 @@ def run_generate(
     profile_step: int = 0,
     dense_layers: tuple[int, ...] | None = None,
     options: dict | None = None,
+    draft_tokens: int | str = "auto",
     progress=None,
     on_row: Callable[[dict], None] | None = None,
 ) -> dict:
@@ -411,6 +415,8 @@ def run_generate(
     options: method options, 'key' for every row's method that has it, 'method:key' for that method's rows
     (`registry.options_by_method`).
 
+    draft_tokens: the lossless rows' drafts per verification (`sparsekv.enabled`'s; "auto": chosen round by round).
+
     progress: called with a line of text as the model is ready and as each row ends (a long run shows its way).
     on_row: called after each row with the payload over the rows so far ("complete": False), which the CLI writes
     to --output: a run stopped in a later row keeps what it measured. The payload returned has "complete": True."""
@@ -428,7 +434,9 @@ def run_generate(
     for row in rows:
         if row not in HF_ROWS:
             # bad budget / top_p / dense layers / options for a method: its ConfigError, before the model
-            config_for(row, budget, top_p, dense_below, dense_layers, options_of[method_of(row)])
+            config = config_for(row, budget, top_p, dense_below, dense_layers, options_of[method_of(row)])
+            if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
+                check_lossless(config, draft_tokens)  # and a bad draft count
     check_prefill(prefill, rows, model=model, prefill_chunk_size=prefill_chunk_size)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -457,14 +465,15 @@ def run_generate(
         ids = torch.randint(3, net.config.vocab_size, (batch, length), generator=generator).to(dev)
     report = _report(dev, model, tp, net, context=context, batch=batch, budget=budget, top_p=top_p,
                      dense_below=dense_below, dense_layers=dense_layers, options=options or {}, new_tokens=new_tokens,
-                     warmup=warmup, prefill_chunk_size=prefill_chunk_size, prefill=prefill)  # fmt: skip
+                     warmup=warmup, prefill_chunk_size=prefill_chunk_size, prefill=prefill,
+                     draft_tokens=draft_tokens)  # fmt: skip
     results: list[dict] = []
     for round_index in range(rounds):
         for row in rows:
             timed = time_generate(net, ids, row, budget=budget, top_p=top_p, new_tokens=new_tokens, warmup=warmup,
                                   prefill_chunk_size=prefill_chunk_size, dense_below=dense_below, prefill=prefill,
                                   seed=seed, profile_step=profile_step, dense_layers=dense_layers,
-                                  options=options_of.get(method_of(row)))  # fmt: skip
+                                  options=options_of.get(method_of(row)), draft_tokens=draft_tokens)  # fmt: skip
             results.append(timed | {"round": round_index})
             done = f"TPOT {timed['tpot_ms']:.2f} ms, prefill {timed['prefill_s']:.1f} s" if "tpot_ms" in timed else timed["error"]
             if timed.get("verify_ms") is not None:  # a lossless row's rounds, said before the later rows run
