@@ -43,8 +43,9 @@ NARROW_CHANNELS = 64
 #: buffer stays at 64 tokens (B128: 1027 us at 64, 1193 at 32).
 WIDE_CHANNELS = 128
 #: ... and where such a program holds more than 32 query rows and reads a window (a lossless verification's
-#: queries over a sliding window, each with its own valid row), a quarter of TUNE's tokens and half its programs per
-#: SM. H200, 9 queries x 4 heads, d 256, B128, a 512-slot window: 96.9 -> 57.6 us (the bytes take 15.8 us).
+#: queries over a sliding window), a quarter of TUNE's tokens and half its programs per SM. H200, 9 queries x 4
+#: heads, d 256, B128, a 512-slot window, a valid row per query: 96.9 -> 57.6 us (the bytes take 15.8 us); not swept
+#: again since a verification passes one kept row and a start per query instead.
 WINDOW_QUERY_ROWS = 32
 #: shared memory a program may take (an H100's or H200's SM: 227 KB); a launch over it fails to compile
 SHARED_MEMORY_BYTES = 232448
