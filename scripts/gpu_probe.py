@@ -421,14 +421,14 @@ def wide_probe(capacity=32904, written=32800, window=512):
         query = torch.randn(batch, 4, queries, 256, device=dev, dtype=torch.bfloat16, generator=gen)
         slots = torch.arange(capacity, device=dev)
         own = written - queries + torch.arange(queries, device=dev)  # each query's own slot
-        # a window: each query's own mask row (a lossless verification's sliding layers); the whole buffer: causal
-        seen = (slots <= own[:, None]) & (slots > own[:, None] - window if windowed else True)
+        # as the fixed-shape steps call it: every written slot, causal over several queries; a window starts each
+        # query at its own first slot ([B, Q] where several queries share a program: a verification's sliding layer)
         attend = functools.partial(
             sa.sparse_attention_triton, query, keys, torch.randn_like(keys), slots.view(1, 1, 1, -1).expand(
-                batch, 1, queries, -1), None if queries > 1 and not windowed else seen.view(1, 1, queries, -1).expand(
-                batch, 1, queries, -1), 0.0625, limit=torch.tensor([written], device=dev),
-            causal=queries > 1 and not windowed)  # fmt: skip
-        start = {"start": torch.tensor([written - queries - window + 1], device=dev)} if windowed else {}
+                batch, 1, queries, -1), None, 0.0625, limit=torch.tensor([written], device=dev),
+            causal=queries > 1)  # fmt: skip
+        first = (own - window + 1).view(1, queries).expand(batch, -1) if queries > 1 else own - window + 1
+        start = {"start": first} if windowed else {}
         floor = 2 * batch * (window if windowed else written) * 256 * 2 / 4.25e12 * 1e6
         reference = attend(**start).float()
         unlimited = graph_us(lambda _, attend=attend: attend(), 1)
