@@ -46,7 +46,7 @@ def _kernels() -> dict:
     attn_sig |= {name: I32 for name in ("S", "Q", "K", "split_len", "num_splits", "HQ", "g")}
     attn_sig["qk_scale"] = "fp32"
     attn_sig |= {name: I32 for name in ("sqb", "sqh", "sqq", "skb", "skh", "skn", "svb", "svh", "svn", "sib",
-                                        "sis", "siq", "svlb", "svls", "svlq")}  # fmt: skip
+                                        "sis", "siq", "svlb", "svls", "svlq", "sstb", "sstq")}  # fmt: skip
     return {
         "compact": (tk._compact_kernel, compact_sig,
                     {"LEVELS": 2, "NBITS": 5, "CP": 16, "IS_FLOAT": False, "BLOCK": tk.SELECT_TUNE["block"],
@@ -69,7 +69,8 @@ def _kernels() -> dict:
         "attention": (sa._partial_kernel, attn_sig,
                       {"G": 4, "GP": 16, "D": 128, "DP": 128, "BLOCK": sa.TUNE["block"], "VALID": True,
                        "MERGE": True, "GC": 4, "SP": 8, "PREC": "tf32", "USE_PDL": True, "PACKED": False,
-                       "LIMIT": False, "VALID_PER_QUERY": True, "CAUSAL": False, "START": False},
+                       "LIMIT": False, "VALID_PER_QUERY": True, "CAUSAL": False, "START": False,
+                       "START_PER_QUERY": False},
                       ("sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "sib", "sis", "svlb", "svls",
                        "split_len"), sa.TUNE["num_warps"]),
     }  # fmt: skip
