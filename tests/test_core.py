@@ -298,6 +298,39 @@ def test_a_config_that_selects_in_no_layer_is_refused():
         sparsekv.enable(model, SparseConfig(method="lsh", dense_layers=(2, 5)))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_sliding_layers_attend_over_their_windows_keys_only_with_the_whole_masks_result(monkeypatch, padded):
+    """A sliding-window layer's forward with a mask (a prompt chunk after the first, a padded batch's step) runs
+    SDPA over the keys from its earliest query's window on: every step's logits are plain transformers' (float64,
+    dense decoding), and no sliding layer reads more than a chunk and a window of keys."""
+    from sparsekv import attention
+    from sparsekv.models import random_model
+
+    model = random_model("tiny-gemma3", dtype=torch.float64, seed=0)  # window 16; global layers 2 and 5
+    ids = torch.randint(3, model.config.vocab_size, (2, 60), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7] = 0
+    kwargs = {"attention_mask": mask, "max_new_tokens": 6, "do_sample": False, "pad_token_id": 0,
+              "prefill_chunk_size": 8, "output_logits": True, "return_dict_in_generate": True}  # fmt: skip
+    plain = model.generate(ids, **kwargs)
+    read = []
+    sdpa = attention.sdpa_attention_forward
+
+    def counting(module, query, key, *args, **kw):
+        if model.config.layer_types[module.layer_idx] == "sliding_attention":
+            read.append(key.shape[2])
+        return sdpa(module, query, key, *args, **kw)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", counting)
+    with sparsekv.enabled(model, SparseConfig(method="dense"), graph_decode=False):
+        out = model.generate(ids, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences)
+    for ours, theirs in zip(out.logits, plain.logits, strict=True):
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-10)
+    assert max(read) <= 8 + 16 - 1 and len(read) >= 4 * 60 // 8
+
+
 # ---------------------------------------------------------------- CLI
 
 

@@ -150,6 +150,10 @@ def sparse_attention_forward(
     if layer.selector is None:  # a dense layer of the SparseCache
         if layer.dense_from is not None and key.shape[2] > layer.dense_from and cache.record_stats:
             _record_dense_fallback(cache, layer, module.layer_idx, query, key, attention_mask)
+        info = cache.infos[module.layer_idx]
+        if info.sliding and info.window is not None and attention_mask is not None:
+            return _window_attention(module, query, key, value, attention_mask, info.window, dropout, scaling,
+                                     **kwargs)  # fmt: skip
         return _dense_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
 
     if not layer.prompt_open:
@@ -211,6 +215,17 @@ def _dense_attention(module, query, key, value, attention_mask, dropout, scaling
         return key[row : row + 1], value[row : row + 1]
 
     return _row_by_row(module, query, row_kv, attention_mask, dropout, scaling, **kwargs)
+
+
+def _window_attention(module, query, key, value, attention_mask, window: int, dropout, scaling, **kwargs):
+    """A sliding-window layer's forward with a mask (a prompt chunk after the first, an eager step of a padded
+    batch): SDPA over the keys from the earliest query's window on, for the whole batch at once. Transformers'
+    window counts the cached slots, so no query sees a key before that one: the result is the whole mask's, but
+    the work and SDPA's transient K/V copy stop growing with the prompt (chunk + window keys a row, where the rows
+    of `_dense_attention` would read every earlier token)."""
+    first = max(0, key.shape[2] - query.shape[2] - window + 1)
+    return sdpa_attention_forward(module, query, key[:, :, first:], value[:, :, first:],
+                                  attention_mask[..., first : key.shape[2]], dropout, scaling, **kwargs)  # fmt: skip
 
 
 def _row_by_row(module, query, row_kv, attention_mask, dropout, scaling, **kwargs):
