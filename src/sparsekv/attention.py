@@ -308,12 +308,12 @@ def _fixed_stats(cache: SparseCache, rows: int) -> tuple[torch.Tensor, torch.Ten
     return cache.fixed_step[name]
 
 
-def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
+def _window_start(cache: SparseCache, batch: int, q_len: int, window: int) -> torch.Tensor:
     """The first slot that each of a fixed-shape forward's `q_len` queries sees in a sliding-window layer (the last
     `window` positions of its row, its own included), where that query's reads of the buffer start: the layer then
     reads its window, not every written slot (H200, Gemma 3 270M at 32K x B16: a sliding layer's dense step took as
     long as a global layer's). [1] where every row and query share it (one new token of an unpadded batch: slot =
-    position), else [B or 1, Q]. In lossless rounds a row's masked slots hold no position
+    position), else [batch, Q] (`sparse_attention`'s `start`). In lossless rounds a row's masked slots hold no position
     (`SparseCache.fixed_positions`), so its window reaches back over as many slots as it masked. Built once per
     step and window."""
     shared = cache.fixed_step
@@ -322,7 +322,7 @@ def _window_start(cache: SparseCache, q_len: int, window: int) -> torch.Tensor:
         slots = fixed_slots(cache.fixed_position, q_len)  # [Q]: the queries' own slots
         if cache.fixed_kept is None:  # slot = position
             first = (slots - window + 1).clamp(min=0)
-            shared[name] = first if q_len == 1 else first.view(1, q_len)
+            shared[name] = first if q_len == 1 else first.view(1, q_len).expand(batch, -1)
         else:  # a row's positions never decrease along its slots: its window starts past those <= its own - window
             positions = cache.fixed_positions  # [B, capacity]
             queries = positions.index_select(-1, slots)  # [B, Q]
@@ -378,8 +378,7 @@ def _verify_attention(query, key, value, cache: SparseCache, scale: float, windo
     seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
     start = None
     if window is not None:
-        start = _window_start(cache, q_len, window)
-        start = start if start.numel() == 1 else start.expand(batch, q_len)
+        start = _window_start(cache, batch, q_len, window)
     out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), causal=True,
                            start=start)  # fmt: skip
     return out.transpose(1, 2).contiguous()
@@ -408,8 +407,7 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
     if selector is None:  # a dense layer: every written slot that its row keeps, through the same split-K kernel
         start = None
         if info.sliding:  # its window of the latest tokens only, read from the window's first slot
-            start = _window_start(cache, q_len, info.window)
-            start = start if start.numel() == 1 else start.expand(batch, q_len)
+            start = _window_start(cache, batch, q_len, info.window)
         heads = key.shape[1]
         every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
         kept = cache.fixed_kept  # None: an unpadded batch, whose written slots all hold tokens
