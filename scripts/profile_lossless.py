@@ -67,9 +67,9 @@ with torch.inference_mode(), enabled(model, SparseConfig(method=method, budget=b
     out.add(first[:, None], torch.ones_like(first))
     counts = DraftCounts()
     speculate(decoder, sampler, first, drafts, out, counts)  # the first round: the methods' state from the prompt
-    rounds = CapturedRounds(model, decoder, drafts, context + 64, compile_for_decode(model.forward) if compiled else None)
-    latest = torch.tensor([row[-1] for row in out.rows], device=device)
-    rounds.round(latest, sampler, out, counts)  # captures both graphs
+    rounds = CapturedRounds(model, decoder, drafts, context + 64, out,
+                            compile_for_decode(model.forward) if compiled else None)  # fmt: skip
+    rounds.finish(rounds.launch(sampler, counts, drafts), out, counts)  # captures both graphs
     start = rounds.slot
     verify_inputs = rounds.verify_inputs[drafts]
 

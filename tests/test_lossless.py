@@ -178,6 +178,26 @@ def test_lossless_rounds_at_fixed_shapes_are_dense_token_for_token(real_model, f
     assert result.avg_budget_tokens < 0.1 * result.avg_context_tokens  # the drafts were sparse
 
 
+def test_captured_rounds_queue_the_next_round_before_reading_one_back(real_model, four_prompts, four_dense,
+                                                                     monkeypatch):  # fmt: skip
+    """A round goes to the device before the host reads the previous one's tokens back (the host's bookkeeping
+    overlaps the device's work), except after a round that may finish every row; no round is wasted and the
+    output is dense's."""
+    from sparsekv.lossless import CapturedRounds
+
+    calls = []
+    launch, finish = CapturedRounds.launch, CapturedRounds.finish
+    monkeypatch.setattr(CapturedRounds, "launch", lambda self, *args: calls.append(1) or launch(self, *args))
+    monkeypatch.setattr(CapturedRounds, "finish", lambda self, *args: calls.append(-1) or finish(self, *args))
+    model, tokenizer = real_model
+    result = sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method="oracle-topk", budget=0.05),
+                               max_new_tokens=32, lossless=True, draft_tokens=4, graph_decode=True)  # fmt: skip
+    assert result.new_token_ids == four_dense.new_token_ids
+    in_flight = [sum(calls[: i + 1]) for i in range(len(calls))]
+    assert sum(calls) == 0 and max(in_flight) == 2  # every round read back once, at most one queued ahead
+    assert in_flight.count(2) >= 3 and in_flight[-2:] == [1, 0]  # ahead while rows go on, not once they may end
+
+
 def test_auto_draft_counts_follow_measured_acceptance_and_step_times(real_model, four_prompts):
     """draft_tokens="auto": the fixed-shape rounds draft AUTO_EAGER_DRAFTS until both steps are timed, then the
     count that `best_draft_count` gives for what was measured so far (0 or one of AUTO_DRAFT_CHOICES), and the
