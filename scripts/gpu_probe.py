@@ -17,10 +17,11 @@ variant's output against the default's or a reference). Sections (comma-separate
 - attnshape: the split-K attention's tile / programs per SM / warps / stages in the whole Spotlight step
   (`sparsekv.bench.attention.run_attention`; BENCHMARKS.md, the attention's launch shape).
 - wide: the split-K attention at Gemma 3 270M's shapes (1 kv head x 4 query heads, d 256, 32,800 of 32,904
-  slots written, B16 and B128): one query over the buffer, a 512-slot window read from its `start` (and without
-  it), a 9-query verification over the buffer and over each query's window; the default launch against a sweep
-  of tile / warps / programs per SM / stages (`_sparse_attention_triton.default_block`'s wide rows), each checked
-  against the default's output.
+  slots written, under a row of kept slots as in lossless rounds, B16 and B128): one query over the buffer, a
+  512-slot window read from its `start` (and without it), a 9-query verification over the buffer and over each
+  query's window; the default launch against a sweep of tile / warps / programs per SM / stages
+  (`_sparse_attention_triton.default_block`'s wide rows), each checked against the default's output.
+  PROBE_WIDE=192:1:window,192:9:buffer picks the cases (batch:queries:window|buffer).
 
     python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape,wide]   # on a CUDA machine
     PROBE_BATCH=4 python3 scripts/gpu_probe.py selfindex   # at 128K x B4
@@ -416,16 +417,21 @@ def wide_probe(capacity=32904, written=32800, window=512):
 
     saved = dict(sa.TUNE)
     cases = ((16, 1, False), (16, 1, True), (128, 1, False), (128, 1, True), (128, 9, False), (128, 9, True))
+    if os.environ.get("PROBE_WIDE"):  # e.g. "192:1:window,192:9:window,192:9:buffer"
+        cases = [(int(b), int(q), kind == "window") for b, q, kind in
+                 (case.split(":") for case in os.environ["PROBE_WIDE"].split(","))]  # fmt: skip
     for batch, queries, windowed in cases:
         keys = torch.randn(batch, 1, capacity, 256, device=dev, dtype=torch.bfloat16, generator=gen)
         query = torch.randn(batch, 4, queries, 256, device=dev, dtype=torch.bfloat16, generator=gen)
         slots = torch.arange(capacity, device=dev)
         own = written - queries + torch.arange(queries, device=dev)  # each query's own slot
-        # as the fixed-shape steps call it: every written slot, causal over several queries; a window starts each
-        # query at its own first slot ([B, Q] where several queries share a program: a verification's sliding layer)
+        # as lossless rounds' fixed-shape steps call it: every written slot under the row's kept slots (one row
+        # for every query), causal over several queries; a window starts each query at its own first slot ([B, Q]
+        # where several queries share a program: a verification's sliding layer)
+        kept = torch.ones(batch, 1, 1, capacity, dtype=torch.bool, device=dev).expand(-1, -1, queries, -1)
         attend = functools.partial(
             sa.sparse_attention_triton, query, keys, torch.randn_like(keys), slots.view(1, 1, 1, -1).expand(
-                batch, 1, queries, -1), None, 0.0625, limit=torch.tensor([written], device=dev),
+                batch, 1, queries, -1), kept, 0.0625, limit=torch.tensor([written], device=dev),
             causal=queries > 1)  # fmt: skip
         first = (own - window + 1).view(1, queries).expand(batch, -1) if queries > 1 else own - window + 1
         start = {"start": first} if windowed else {}

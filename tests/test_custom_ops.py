@@ -236,6 +236,17 @@ def _compressed_attention():
     ]
 
 
+def _write_slots():
+    gen = _gen(8)
+    samples = []
+    for new, dim in ((1, 24), (5, 40)):
+        key_buffer, value_buffer = torch.randn(2, 3, 2, 37, dim, generator=gen)
+        # a model's projections [B, n, H, d] seen as [B, H, n, d]: not contiguous
+        keys, values = torch.randn(2, 3, new, 2, dim, generator=gen).transpose(2, 3)
+        samples.append((key_buffer, value_buffer, torch.randperm(37, generator=gen)[:new], keys, values))
+    return samples
+
+
 #: op name -> sample argument tuples (the op's own positional schema)
 SAMPLES = {
     "sparse_attention": _sparse_attention,
@@ -253,6 +264,7 @@ SAMPLES = {
     "select_within": _select_within,
     "compressed_key_scores": _compressed_key_scores,
     "compressed_attention": _compressed_attention,
+    "write_slots": _write_slots,
 }
 
 

@@ -334,3 +334,29 @@ def test_lut_topk_fixed_rejects_bad_counts(counts, match):
         lut_topk_fixed(table, codes, 5, written, counts=counts)
     picked, _ = lut_topk_fixed(table, codes, 5, written, counts=torch.tensor([5, 4, 2, 0], dtype=torch.int32))
     assert picked.shape == (2, 2, 1, 5) and not picked.view(4, 5)[3].any() and not picked.view(4, 5)[2, 2:].any()
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [({"keys": torch.zeros(2, 3, 1, 8, dtype=torch.float64)}, "float64"),
+     ({"slots": torch.tensor([1, 2])}, "slots must be int64"),
+     ({"slots": torch.tensor([1], dtype=torch.int32)}, "slots must be int64"),
+     ({"values": torch.zeros(2, 3, 1, 4)}, "do not fit their buffer")],
+)  # fmt: skip
+def test_write_slots_rejects_what_does_not_fit_its_buffers(change, match):
+    from sparsekv.kernels.write_slots import write_slots
+
+    args = {"key_buffer": torch.zeros(2, 3, 10, 8), "value_buffer": torch.zeros(2, 3, 10, 8),
+            "slots": torch.tensor([4]), "keys": torch.ones(2, 3, 1, 8), "values": torch.ones(2, 3, 1, 8)} | change  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        write_slots(**args)
+
+
+def test_write_slots_writes_each_new_token_at_its_slot():
+    from sparsekv.kernels.write_slots import write_slots
+
+    keys, values = torch.zeros(2, 3, 10, 8), torch.zeros(2, 3, 10, 8)
+    new = torch.arange(2 * 3 * 2 * 8, dtype=torch.float32).view(2, 3, 2, 8)
+    write_slots(keys, values, torch.tensor([7, 3]), new, -new)
+    assert torch.equal(keys[:, :, [7, 3]], new) and torch.equal(values[:, :, [7, 3]], -new)
+    assert not keys[:, :, [0, 1, 2, 4, 5, 6, 8, 9]].any()

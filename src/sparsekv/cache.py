@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from sparsekv.config import ConfigError, SparseConfig
+from sparsekv.kernels.write_slots import write_slots
 from sparsekv.pruners.base import Pruner
 from sparsekv.registry import get_method_class, get_top_p_pruner
 from sparsekv.selectors.base import TokenSelector, host_budget, tensor_nbytes
@@ -179,8 +180,7 @@ class SparseLayer(DynamicLayer):
             raise ConfigError("fixed-shape decoding of a compressing selector takes one new token per forward")
         if not self.stores_kv:  # a compressing selector writes the token itself (`append_fixed_shape`)
             slots = fixed_slots(self.fixed_position, new)
-            self._key_buffer.index_copy_(-2, slots, key_states)
-            self._value_buffer.index_copy_(-2, slots, value_states)
+            write_slots(self._key_buffer, self._value_buffer, slots, key_states, value_states)
         self.new_tokens = new
         self.new_keys, self.new_values = key_states, value_states
         return self.keys, self.values

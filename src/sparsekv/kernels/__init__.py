@@ -26,4 +26,6 @@ function of each module checks its arguments and calls the op. SPARSEKV_DISABLE_
         device rows key_slots if given)
     sparse_attention.sparse_attention(q, keys, values, indices, valid, scaling, *, tickets=None) -> [B,Hq,Q,d]
         (valid None: all; tickets: int32 zeros per row, the split-K partials merged without a second launch)
+    write_slots.write_slots(key_buffer[B,H,C,d], value_buffer, slots[n], keys[B,H,n,d], values) -> None
+        (a fixed-shape step's new K/V into the preallocated buffers at device slots, one launch for both)
 """
