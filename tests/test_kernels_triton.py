@@ -440,14 +440,16 @@ def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
 
 
 def test_wide_rows_of_many_queries_over_a_window_take_small_steps_and_fewer_splits():
-    """A lossless verification's 9 queries x 4 heads over a sliding window (d 256): 16 tokens a step, half the
-    programs per SM; one query over a window, or many over the whole buffer, keep their launch."""
+    """9 queries x 4 heads (d 256) over a sliding window, each query with a valid row of its own: 16 tokens a step,
+    half the programs per SM; under one valid row (a lossless verification's sliding layer), one query over a
+    window, or many over the whole buffer: 32 tokens and TUNE's programs."""
     from sparsekv.kernels import _sparse_attention_triton as sa
 
     assert sa.default_block(256, 64, row_per_query=True, window=True) == sa.TUNE["block"] // 4
-    assert sa.programs_per_sm(256, 64, window=True) == sa.TUNE["sm_mult"] // 2
-    assert sa.default_block(256, 16, window=True) == sa.default_block(256, 64) == sa.TUNE["block"] // 2
-    assert sa.programs_per_sm(256, 16, window=True) == sa.programs_per_sm(256, 64) == sa.TUNE["sm_mult"]
+    assert sa.programs_per_sm(256, 64, window=True, row_per_query=True) == sa.TUNE["sm_mult"] // 2
+    assert sa.default_block(256, 64, window=True) == sa.default_block(256, 16, window=True) == sa.TUNE["block"] // 2
+    assert sa.default_block(256, 64) == sa.TUNE["block"] // 2
+    assert sa.programs_per_sm(256, 64, window=True) == sa.programs_per_sm(256, 64) == sa.TUNE["sm_mult"]
     assert sa.default_block(128, 64, row_per_query=True, window=True) == sa.TUNE["block"]
 
 

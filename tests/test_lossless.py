@@ -433,9 +433,10 @@ def test_a_profiled_round_records_its_draft_steps_and_verification_apart_and_is_
     (draft_events, draft_steps), (verify_events, verify_steps) = drafts.step_profiles["draft"], drafts.step_profiles["verify"]
     assert (draft_steps, verify_steps) == (2, 1) and set(drafts.step_profiles) == {"draft", "verify"}
     assert sum(e.self_device_time_total for e in draft_events) > 0 and sum(e.count for e in verify_events) > 0
-    # rounds: the first (eager), the capture, one timed, the profiled one, then timed ones
+    # rounds: the first (eager), the capture, timed ones (the profiled round is decided once one was read back, so
+    # the one queued by then is timed too), the profiled one, then timed ones
     steady = [s for *_, s in drafts.timeline]
-    assert steady[:4] == [True, False, True, False] and all(steady[4:]) and drafts.verify_steps == len(steady) - 3
+    assert steady[:3] == [True, False, True] and steady.count(False) == 2 and drafts.verify_steps == len(steady) - 3
 
 
 def test_a_cache_cannot_roll_back_into_its_prompt(tiny):

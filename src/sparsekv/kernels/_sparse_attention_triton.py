@@ -42,10 +42,11 @@ NARROW_CHANNELS = 64
 #: start 32.2 -> 27.7 us at B128, 15.2 -> 8.6 us at B16 (the best launch of the sweep); one query over the whole
 #: buffer stays at 64 tokens (B128: 1027 us at 64, 1193 at 32).
 WIDE_CHANNELS = 128
-#: ... and where such a program holds more than 32 query rows and reads a window (a lossless verification's
-#: queries over a sliding window), a quarter of TUNE's tokens and half its programs per SM. H200, 9 queries x 4
-#: heads, d 256, B128, a 512-slot window, a valid row per query: 96.9 -> 57.6 us (the bytes take 15.8 us); not swept
-#: again since a verification passes one kept row and a start per query instead.
+#: ... and where such a program holds more than 32 query rows, each loading its own valid row, and reads a window,
+#: a quarter of TUNE's tokens and half its programs per SM. H200, 9 queries x 4 heads, d 256, B128, a 512-slot
+#: window: 96.9 -> 57.6 us (the bytes take 15.8 us). With one valid row for every query and a start per query (a
+#: lossless verification's sliding layer) half TUNE's tokens is best: B192 78.2 us at 16 tokens, 66.3 at 32 (the
+#: bytes take 23.7 us; programs per SM made no difference).
 WINDOW_QUERY_ROWS = 32
 #: shared memory a program may take (an H100's or H200's SM: 227 KB); a launch over it fails to compile
 SHARED_MEMORY_BYTES = 232448
@@ -57,7 +58,7 @@ def default_block(channels: int, query_rows: int, row_per_query: bool = False, w
     row_per_query: each query row loads its own valid row every step; window: the call reads from a `start`;
     element_size: bytes of a query / key channel."""
     if channels > WIDE_CHANNELS:
-        if window and query_rows > WINDOW_QUERY_ROWS:
+        if window and row_per_query and query_rows > WINDOW_QUERY_ROWS:
             return TUNE["block"] // 4
         block = TUNE["block"] // 2 if query_rows > 16 or window else TUNE["block"]
         # float32 rows of 256 channels, 64 query rows: Triton's buffers for the dots' layout conversions take
@@ -67,10 +68,11 @@ def default_block(channels: int, query_rows: int, row_per_query: bool = False, w
     return 2 * TUNE["block"] if wide else TUNE["block"]
 
 
-def programs_per_sm(channels: int, query_rows: int, window: bool = False) -> int:
+def programs_per_sm(channels: int, query_rows: int, window: bool = False, row_per_query: bool = False) -> int:
     """How many programs of a row's splits an SM takes at most in one wave (the splits of a call), as
-    `default_block`'s rows: TUNE's, or half of it for wide rows of many queries over a window."""
-    if channels > WIDE_CHANNELS and window and query_rows > WINDOW_QUERY_ROWS:
+    `default_block`'s rows: TUNE's, or half of it for wide rows of many queries, each with its own valid row, over
+    a window."""
+    if channels > WIDE_CHANNELS and window and row_per_query and query_rows > WINDOW_QUERY_ROWS:
         return max(1, TUNE["sm_mult"] // 2)
     return TUNE["sm_mult"]
 
@@ -330,7 +332,8 @@ def sparse_attention_triton(
     if splits is None:
         # at most one wave of sm_mult resident programs per SM: a partial second wave adds a whole program's
         # latency (H200, 128K x B8, 64 rows: 9 splits 39.6 us, 8 splits 36.0 us)
-        splits = max(1, min(programs_per_sm(d, query_rows, start is not None) * sms // rows, triton.cdiv(kk, block)))
+        splits = max(1, min(programs_per_sm(d, query_rows, start is not None, row_per_query) * sms // rows,
+                               triton.cdiv(kk, block)))  # fmt: skip
     # the combine reads [SP, DP] partials as one Triton tensor (only an explicit `splits` nears its limit)
     splits = min(splits, MAX_TENSOR_NUMEL // next_pow2(d))
     split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
