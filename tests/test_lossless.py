@@ -181,14 +181,17 @@ def test_lossless_rounds_at_fixed_shapes_are_dense_token_for_token(real_model, f
 def test_captured_rounds_queue_the_next_round_before_reading_one_back(real_model, four_prompts, four_dense,
                                                                      monkeypatch):  # fmt: skip
     """A round goes to the device before the host reads the previous one's tokens back (the host's bookkeeping
-    overlaps the device's work), except after a round that may finish every row; no round is wasted and the
-    output is dense's."""
+    overlaps the device's work), except after a round that may finish every row; no round is wasted, no buffer
+    grows when the rounds begin, and the output is dense's."""
+    from sparsekv.cache import SparseLayer
     from sparsekv.lossless import CapturedRounds
 
-    calls = []
-    launch, finish = CapturedRounds.launch, CapturedRounds.finish
+    calls, grown = [], []
+    launch, finish, grow = CapturedRounds.launch, CapturedRounds.finish, SparseLayer._grow
     monkeypatch.setattr(CapturedRounds, "launch", lambda self, *args: calls.append(1) or launch(self, *args))
     monkeypatch.setattr(CapturedRounds, "finish", lambda self, *args: calls.append(-1) or finish(self, *args))
+    monkeypatch.setattr(SparseLayer, "_grow", lambda self, buffer, *args: grown.append(buffer is not None) or grow(
+        self, buffer, *args))  # fmt: skip
     model, tokenizer = real_model
     result = sparsekv.generate(model, tokenizer, four_prompts, SparseConfig(method="oracle-topk", budget=0.05),
                                max_new_tokens=32, lossless=True, draft_tokens=4, graph_decode=True)  # fmt: skip
@@ -196,6 +199,26 @@ def test_captured_rounds_queue_the_next_round_before_reading_one_back(real_model
     in_flight = [sum(calls[: i + 1]) for i in range(len(calls))]
     assert sum(calls) == 0 and max(in_flight) == 2  # every round read back once, at most one queued ahead
     assert in_flight.count(2) >= 3 and in_flight[-2:] == [1, 0]  # ahead while rows go on, not once they may end
+    assert grown and not any(grown)  # the prompt's buffers held the rounds' drafts from the start
+
+
+def test_a_lossless_cache_is_allocated_once_for_its_fixed_shape_rounds(tiny, monkeypatch):
+    """The prompt's buffers hold the rounds' drafts too: none grows (a copy of the whole cache) when the rounds
+    begin at fixed shapes."""
+    from sparsekv.cache import SparseLayer
+
+    grown = []
+    grow = SparseLayer._grow
+    monkeypatch.setattr(SparseLayer, "_grow", lambda self, buffer, *args: grown.append(buffer is not None) or grow(
+        self, buffer, *args))  # fmt: skip
+    config = SparseConfig(method="streaming", budget=0.2, dense_layers=(0,))
+    ids = torch.randint(3, tiny.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    plain = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with sparsekv.enabled(tiny, config, lossless=True, draft_tokens=3, graph_decode=True) as runtime:
+        out = tiny.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                            pad_token_id=0)  # fmt: skip
+    assert torch.equal(out, plain) and runtime.drafts.paths.get("fixed-shape", 0) >= 2
+    assert grown and not any(grown)  # every buffer allocated once, when the prompt came in
 
 
 def test_auto_draft_counts_follow_measured_acceptance_and_step_times(real_model, four_prompts):

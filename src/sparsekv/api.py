@@ -26,6 +26,7 @@ from sparsekv.lossless import (
     check_lossless,
     decode_rounds,
     generate_losslessly,
+    lossless_capacity,
     prefill,
 )
 from sparsekv.registry import get_method_class
@@ -381,8 +382,12 @@ def generate(
         start = time.perf_counter()
         input_ids, attention_mask = method.filter_prompt(model, batch["input_ids"], batch["attention_mask"], config)
         capacity = input_ids.shape[1] + max_new_tokens
+        reserved = capacity
+        if lossless:  # room for the rounds' drafts where they may run at fixed shapes
+            fixed_shapes = graph_decode is True or (graph_decode is None and device.type == "cuda")
+            reserved = lossless_capacity(input_ids.shape[1], max_new_tokens, draft_tokens, fixed_shapes)
         # lossless: a compressing method (self-index) drafts from its storage, the verification reads 16-bit K/V
-        cache = SparseCache(config, layer_infos(model), initial_capacity=capacity, keeps_plain_kv=lossless)
+        cache = SparseCache(config, layer_infos(model), initial_capacity=reserved, keeps_plain_kv=lossless)
         if not lossless and runtime.graph.mode is not False:
             # the dense fallback is decided before the prompt is cached (a compressing method keeps no 16-bit K/V
             # otherwise); lossless drafts are sparse whatever the length
