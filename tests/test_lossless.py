@@ -539,14 +539,3 @@ def test_sampling_is_repeatable_with_a_seed_and_checks_its_temperature(real_mode
     assert first.new_token_ids == second.new_token_ids
     with pytest.raises(ConfigError, match="temperature"):
         sparsekv.generate(model, tokenizer, "hi", config, max_new_tokens=2, do_sample=True, temperature=0)
-
-
-@pytest.mark.parametrize("vocab", [262144, 70000, 1000])
-def test_greedy_drafts_take_each_rows_argmax(vocab):
-    """`Sampler.propose`: the best token of each row, in slices where the vocabulary is large and divides."""
-    from sparsekv.lossless import Sampler
-
-    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(vocab))
-    logits[2, vocab - 1] = 50.0  # in the last slice
-    tokens, probs = Sampler(None, None, logits.device).propose(logits)
-    assert probs is None and torch.equal(tokens, logits.argmax(-1)) and tokens[2] == vocab - 1

@@ -135,10 +135,6 @@ class Decoder:
             self.mask[:, -most:] = torch.arange(most, device=kept.device) < kept[:, None]
 
 
-#: a greedy draft's argmax runs over this many slices of the vocabulary at once (`Sampler.propose`)
-DRAFT_ARGMAX_SLICES = 16
-
-
 class Sampler:
     """Greedy (temperature None) or sampling from softmax(logits / temperature) with its own generator."""
 
@@ -159,18 +155,6 @@ class Sampler:
             return logits.argmax(-1), None
         probs = self.probs(logits)
         return self.sample(probs), probs
-
-    def propose(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`draw` for a draft step: greedy, the argmax in two stages where the vocabulary is large (the best of
-        each of its slices, then the best slice; H200, Gemma 3's 262,144 tokens at B192: PyTorch's argmax runs one
-        block a row, 72 us). A tie may resolve to another of the tied tokens, which a draft may: the verification's
-        own argmax decides what is emitted."""
-        rows, vocab = logits.shape
-        if self.temperature is not None or vocab < DRAFT_ARGMAX_SLICES * 4096 or vocab % DRAFT_ARGMAX_SLICES:
-            return self.draw(logits)
-        best, where = logits.view(rows, DRAFT_ARGMAX_SLICES, vocab // DRAFT_ARGMAX_SLICES).max(-1)
-        part = best.argmax(-1, keepdim=True)
-        return (where.gather(-1, part) + part * (vocab // DRAFT_ARGMAX_SLICES))[:, 0], None
 
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
@@ -555,7 +539,7 @@ class CapturedRounds:
             for j in range(gamma):  # sparse steps propose, each at its slot
                 cache.fixed_position.fill_(start + j)
                 torch.add(self.positions, j, out=self.draft_inputs["position_ids"])
-                token, probs = sampler.propose(self._step("draft", self.draft_inputs, dense=False)[:, -1])
+                token, probs = sampler.draw(self._step("draft", self.draft_inputs, dense=False)[:, -1])
                 draft_probs.append(probs)
                 draft[:, 0] = token
                 verify_ids[:, j + 1] = token
