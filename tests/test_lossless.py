@@ -539,3 +539,29 @@ def test_sampling_is_repeatable_with_a_seed_and_checks_its_temperature(real_mode
     assert first.new_token_ids == second.new_token_ids
     with pytest.raises(ConfigError, match="temperature"):
         sparsekv.generate(model, tokenizer, "hi", config, max_new_tokens=2, do_sample=True, temperature=0)
+
+
+@pytest.mark.parametrize("rows", [False, True])
+@pytest.mark.parametrize("budget,sink,local", [(0.3, 0, 0), (0.3, 4, 8), (7, 2, 3), (0.9, 30, 30)])
+def test_a_fixed_steps_budgets_count_each_rows_kept_slots(tiny, rows, budget, sink, local):
+    """The budgets a fixed-shape step shares (`attention._fixed_step_masks`, from each row's slot positions) are
+    the eager rule's over the visible slots: a row's masked drafts do not count, and the forced tokens (built on
+    first read) are the first `sink` and last `local` visible ones."""
+    from sparsekv.attention import _fixed_step_masks, forced_tokens, token_budgets
+
+    config = SparseConfig(method="streaming", budget=budget, sink=sink, local=local, dense_layers=(0,))
+    cache = SparseCache.for_model(tiny, config)
+    ids = torch.randint(3, tiny.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(6))
+    with sparsekv.enabled(tiny, config):
+        tiny(input_ids=ids, **cache_kwargs(tiny, cache), use_cache=True)
+    cache.begin_fixed_shape(60, rows=rows)
+    if rows:  # row 1 rejected two drafts of a round and one of the next
+        cache.keep_slots(40, torch.tensor([[True] * 6, [True, False, False, True, True, False]]))
+    cache.fixed_position.fill_(47)
+    cache.prepare_fixed_step()
+    shared = _fixed_step_masks(cache, 2, 1)
+    visible = shared["visible"]
+    forced = forced_tokens(visible, sink, local)
+    assert torch.equal(shared["budgets"], token_budgets(config, visible, forced))
+    assert torch.equal(shared["forced"](), forced)
+    assert visible.sum(-1).tolist() == ([[48], [45]] if rows else [[48], [48]])
