@@ -374,23 +374,23 @@ def _dense_tickets(cache: SparseCache, query: torch.Tensor, heads: int) -> torch
     return tickets
 
 
-def _verify_attention(query, key, value, cache: SparseCache, scale: float, window: int | None) -> torch.Tensor:
-    """A verification's dense attention [B, Q, Hq, d] through the split-K kernel of the dense layers: the Q
-    queries of a row run side by side over the same slots, so its K/V come from memory about once (SDPA with a
-    mask was twice a dense step: it copies K/V per query head, or reads them per query block). Causality comes
-    from the written count, and one row of kept slots serves every query (H200, the embedded model's 9 queries over
-    8,448 written slots, B128: 414 us a layer with a mask row per query, 270 with one); a sliding-window layer
-    (`window`) starts each query at its own window's first slot."""
+def _buffer_attention(query, key, value, cache: SparseCache, scale: float, window: int | None) -> torch.Tensor:
+    """Dense attention [B, Q, Hq, d] of a fixed-shape forward's Q new tokens over the preallocated buffer, through
+    the split-K kernel: every written slot its row keeps (`fixed_kept`; none masked for an unpadded batch), query i
+    reading none past its own slot (the written count: causality without a mask), a sliding-window layer (`window`)
+    from each query's own window's first slot. A dense layer's decode step (Q = 1) and a lossless verification
+    (Q = drafts + 1, dense in every layer) take it. The verification's Q queries of a row run side by side over the
+    same slots, so its K/V come from memory about once (SDPA with a mask was twice a dense step: it copies K/V per
+    query head, or reads them per query block), and one row of kept slots serves every query (H200, the embedded
+    model's 9 queries over 8,448 written slots, B128: 414 us a layer with a mask row per query, 270 with one)."""
     batch, _, q_len, _ = query.shape
     heads = key.shape[1]
     every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
     kept = cache.fixed_kept
     seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
-    start = None
-    if window is not None:
-        start = _window_start(cache, batch, q_len, window)
-    out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), causal=True,
-                           start=start)  # fmt: skip
+    start = None if window is None else _window_start(cache, batch, q_len, window)
+    out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), causal=q_len > 1,
+                           start=start, tickets=_dense_tickets(cache, query, heads))  # fmt: skip
     return out.transpose(1, 2).contiguous()
 
 
@@ -410,21 +410,10 @@ def _decode_fixed_shape(module, query, key, value, scaling, cache: SparseCache, 
         if state is not None:
             state.append_fixed_shape(layer.new_keys, layer.new_values, slots)
     info = cache.infos[module.layer_idx]
-    if cache.attend_densely:  # the verification forward of a lossless round: every kept slot, causally
-        if selector is not None:
-            selector.complete_append()
-        return _verify_attention(query, key, value, cache, scale, info.window if info.sliding else None), None
-    if selector is None:  # a dense layer: every written slot that its row keeps, through the same split-K kernel
-        start = None
-        if info.sliding:  # its window of the latest tokens only, read from the window's first slot
-            start = _window_start(cache, batch, q_len, info.window)
-        heads = key.shape[1]
-        every = cache.fixed_slots.view(1, 1, 1, -1).expand(batch, heads, q_len, -1)
-        kept = cache.fixed_kept  # None: an unpadded batch, whose written slots all hold tokens
-        seen = None if kept is None else kept[:, None, None, :].expand(batch, heads, q_len, -1)
-        out = sparse_attention(query, key, value, every, seen, scale, limit=_written(cache, q_len), start=start,
-                               tickets=_dense_tickets(cache, query, heads))  # fmt: skip
-        return out.transpose(1, 2).contiguous(), None
+    if cache.attend_densely and selector is not None:  # a lossless round's verification selects nothing
+        selector.complete_append()
+    if cache.attend_densely or selector is None:  # a verification, or a dense layer (a sliding one: its window)
+        return _buffer_attention(query, key, value, cache, scale, info.window if info.sliding else None), None
     config = cache.config
     hints = StepHints(max_budget=host_budget(config, key.shape[2]), uniform=False, sink=config.sink,
                       local=config.local, fixed=True, min_budget=host_budget(config, cache.fixed_start + 1),
