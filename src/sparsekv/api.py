@@ -384,8 +384,7 @@ def generate(
         capacity = input_ids.shape[1] + max_new_tokens
         reserved = capacity
         if lossless:  # room for the rounds' drafts where they may run at fixed shapes
-            fixed_shapes = graph_decode is True or (graph_decode is None and device.type == "cuda")
-            reserved = lossless_capacity(input_ids.shape[1], max_new_tokens, draft_tokens, fixed_shapes)
+            reserved = lossless_capacity(input_ids.shape[1], max_new_tokens, draft_tokens, graph_decode, device)
         # lossless: a compressing method (self-index) drafts from its storage, the verification reads 16-bit K/V
         cache = SparseCache(config, layer_infos(model), initial_capacity=reserved, keeps_plain_kv=lossless)
         if not lossless and runtime.graph.mode is not False:

@@ -314,14 +314,15 @@ def prefill(model, cache: SparseCache, input_ids: torch.Tensor, attention_mask: 
     return logits[:, -1]
 
 
-def lossless_capacity(prompt_tokens: int, max_new: int, draft_tokens: int | str, fixed_shapes: bool) -> int:
-    """Slots to allocate for a lossless generation's cache when its prompt is cached: with `fixed_shapes` (the
-    rounds may run at fixed shapes, `CapturedRounds`), room for every round to write its drafts' slots while a row
+def lossless_capacity(prompt_tokens: int, max_new: int, draft_tokens: int | str, graph_mode: bool | None,
+                      device: torch.device) -> int:  # fmt: skip
+    """Slots to allocate for a lossless generation's cache when its prompt is cached: where the rounds may run at
+    fixed shapes (`CapturedRounds`: graph_mode True, or None on CUDA), room for every round to write its drafts' slots while a row
     gains one token a round, which the buffer that `decode_rounds` sizes after the first round stays within; else
     the prompt and the new tokens. Allocated at once, the buffers are not grown when the rounds begin: that copied
     the whole cache, and at 32K x B192 on an H200 the freed buffers, a little smaller than the grown ones, were left
     unused until a later generation's prefill ran out of memory."""
-    if not fixed_shapes:
+    if not (graph_mode is True or (graph_mode is None and device.type == "cuda")):
         return prompt_tokens + max_new
     most = AUTO_MOST_DRAFTS if draft_tokens == AUTO_DRAFTS else draft_tokens
     return prompt_tokens + max_new * (most + 1)
@@ -731,8 +732,7 @@ def generate_losslessly(model, config: SparseConfig, draft_tokens: int | str, co
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
         raise ConfigError(f"prefill_chunk_size must be an int >= 1, got {chunk!r}")
     # a compressing method (self-index) drafts from its own storage; the dense verification reads the 16-bit K/V
-    fixed_shapes = graph_mode is True or (graph_mode is None and ids.device.type == "cuda")
-    capacity = lossless_capacity(ids.shape[1], max_new, draft_tokens, fixed_shapes)
+    capacity = lossless_capacity(ids.shape[1], max_new, draft_tokens, graph_mode, ids.device)
     cache = SparseCache(config, layer_infos(model), initial_capacity=capacity,
                         prompt_length=ids.shape[1], keeps_plain_kv=True)  # fmt: skip
     with torch.inference_mode():
