@@ -19,8 +19,9 @@ variant's output against the default's or a reference). Sections (comma-separate
 - wide: the split-K attention at Gemma 3 270M's shapes (1 kv head x 4 query heads, d 256, 32,800 of 32,904
   slots written, under a row of kept slots as in lossless rounds, B16 and B128): one query over the buffer, a
   512-slot window read from its `start` (and without it), a 9-query verification over the buffer and over each
-  query's window; the default launch against a sweep of tile / warps / programs per SM / stages
-  (`_sparse_attention_triton.default_block`'s wide rows), each checked against the default's output.
+  query's window; the default launch, the same slots read in order without an index list, and a sweep of tile /
+  warps / programs per SM / stages (`_sparse_attention_triton.default_block`'s wide rows), each checked against the
+  default's output.
   PROBE_WIDE=192:1:window,192:9:buffer picks the cases (batch:queries:window|buffer).
 
     python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape,wide]   # on a CUDA machine
@@ -439,6 +440,11 @@ def wide_probe(capacity=32904, written=32800, window=512):
         reference = attend(**start).float()
         unlimited = graph_us(lambda _, attend=attend: attend(), 1)
         default = graph_us(lambda _, attend=attend, start=start: attend(**start), 1)
+        # the same slots read in order, without the index list (what the fixed-shape steps' whole-buffer reads do)
+        in_order = functools.partial(sa.sparse_attention_triton, query, attend.args[1], attend.args[2], None, kept,
+                                     0.0625, **attend.keywords)  # fmt: skip
+        order_err = float((in_order(**start).float() - reference).norm() / reference.norm())
+        ordered = graph_us(lambda _, in_order=in_order, start=start: in_order(**start), 1)
         results = []
         for block, warps, mult, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 4), (2, 3)):
             sa.TUNE.update(block=block, num_warps=warps, sm_mult=mult, num_stages=stages)
@@ -452,7 +458,8 @@ def wide_probe(capacity=32904, written=32800, window=512):
         sa.TUNE.update(saved)
         results.sort()
         print(f"B{batch} Q{queries} {'window from its start' if windowed else 'whole buffer'}: floor {floor:.1f} us"
-              f" | without start {unlimited:.1f} | default {default:.1f} | best "
+              f" | without start {unlimited:.1f} | default {default:.1f} | in order {ordered:.1f} (err"
+              f" {order_err:.0e}) | best "
               + "; ".join(f"{us:.1f} (block {b} warps {w} x{m}/SM stages {st}, err {e:.0e})"
                           for us, b, w, m, st, e in results[:5]), flush=True)  # fmt: skip
         torch.cuda.empty_cache()

@@ -70,7 +70,7 @@ def _kernels() -> dict:
                       {"G": 4, "GP": 16, "D": 128, "DP": 128, "BLOCK": sa.TUNE["block"], "VALID": True,
                        "MERGE": True, "GC": 4, "SP": 8, "PREC": "tf32", "USE_PDL": True, "PACKED": False,
                        "LIMIT": False, "VALID_PER_QUERY": True, "CAUSAL": False, "START": False,
-                       "START_PER_QUERY": False},
+                       "START_PER_QUERY": False, "EVERY_SLOT": False},
                       ("sqb", "sqh", "skb", "skh", "skn", "svb", "svh", "svn", "sib", "sis", "svlb", "svls",
                        "split_len"), sa.TUNE["num_warps"]),
     }  # fmt: skip

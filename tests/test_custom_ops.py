@@ -32,9 +32,14 @@ def _sparse_attention():
     valid[..., 0] = True
     tickets = torch.zeros(2 * 2 * 3, dtype=torch.int32)
     window = (torch.tensor([7]), True, torch.tensor([2]))  # limit, causal, start: entries 2 to 4 + i for query i
+    # no index list: every slot in order, under a row of kept slots (or none) shared by the queries
+    kept = (torch.rand(2, 2, 1, 37, generator=gen) > 0.3).expand(2, 2, 3, 37).clone()
+    kept[..., 0] = True
     return [(query, keys, values, indices, valid, 0.2, None, None), (query, keys, values, indices, None, 0.2, tickets, None),
             (query, keys, values, indices, valid, 0.2, None, torch.tensor([5])),
-            (query, keys, values, indices, None, 0.2, None, *window)]  # fmt: skip
+            (query, keys, values, indices, None, 0.2, None, *window),
+            (query, keys, values, None, kept, 0.2, None, torch.tensor([30])),
+            (query, keys, values, None, None, 0.2, tickets, torch.tensor([37]), True)]  # fmt: skip
 
 
 def _codes(shape, gen):

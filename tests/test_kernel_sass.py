@@ -71,12 +71,15 @@ def test_every_default_attention_launch_fits_an_sms_shared_memory(kernel_sass, d
 
     fn, sig, constexprs, div16, warps = kernel_sass._kernels()["attention"]
     sig = sig | {name: "*" + dtype for name in ("q_ptr", "k_ptr", "v_ptr", "out_ptr")}
-    for channels, rows, window in itertools.product((64, 128, 256), (16, sa.PACKED_ROWS), (False, True)):
-        # window: a sliding layer's step, packed queries each from its own start (a verification's)
-        block = sa.default_block(channels, rows, window=window, element_size=4 if dtype == "fp32" else 2)
+    cases = itertools.product((64, 128, 256), (16, sa.PACKED_ROWS), (False, True), (False, True))
+    for channels, rows, window, every_slot in cases:
+        # window: a sliding layer's step, packed queries each from its own start (a verification's); every_slot:
+        # the slots read in order, without an index list (their K/V tiles staged in shared memory)
+        block = sa.default_block(channels, rows, window=window, element_size=4 if dtype == "fp32" else 2,
+                                 every_slot=every_slot)  # fmt: skip
         launch = constexprs | {"GP": rows, "G": rows if rows > 16 else 4, "GC": rows, "D": channels, "DP": channels,
                                "BLOCK": block, "PACKED": rows > 16, "CAUSAL": rows > 16, "VALID_PER_QUERY": False,
                                "LIMIT": True, "START": window, "START_PER_QUERY": window and rows > 16,
-                               "PREC": "tf32x3" if dtype == "fp32" else "tf32"}  # fmt: skip
+                               "EVERY_SLOT": every_slot, "PREC": "tf32x3" if dtype == "fp32" else "tf32"}  # fmt: skip
         shared = kernel_sass.compile_sm90(fn, sig, launch, div16, warps, sa.TUNE["num_stages"]).metadata.shared
-        assert shared <= sa.SHARED_MEMORY_BYTES, (channels, rows, window, block, shared)
+        assert shared <= sa.SHARED_MEMORY_BYTES, (channels, rows, window, every_slot, block, shared)

@@ -439,6 +439,30 @@ def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
         assert not tickets.any()
 
 
+@here
+@pytest.mark.parametrize("q,d,causal", [(1, 64, False), (1, 256, False), (5, 64, True), (9, 256, True)])
+@pytest.mark.parametrize("kept", [False, True])
+def test_sparse_attention_without_an_index_list_reads_every_slot_triton(impl, q, d, causal, kept):
+    """indices None: the kernel reads the buffer's slots in order (no list), as the reference over arange: the
+    written ones (`limit`), causally for packed queries, under a kept row shared by the queries."""
+    gen = torch.Generator().manual_seed(40 + q + d)
+    b, hq, hkv, n = 3, 4, 1, 333
+    query = torch.randn(b, hq, q, d, generator=gen)
+    keys, values = torch.randn(b, hkv, n, d, generator=gen), torch.randn(b, hkv, n, d, generator=gen)
+    valid = None
+    if kept:
+        row = torch.rand(b, hkv, 1, n, generator=gen) > 0.3
+        row[..., :2] = True
+        valid = row.expand(b, hkv, q, n)  # one row for every query, as lossless rounds pass it
+    limit = torch.tensor([301])
+    every = torch.arange(n).view(1, 1, 1, n).expand(b, hkv, q, n)
+    ref = sparse_attention_reference(query, keys, values, every, valid, 0.1, limit=limit, causal=causal)
+    dev = [t.to(DEV) if t is not None else None for t in (query, keys, values, valid, limit)]
+    out = impl["_sparse_attention_triton"].sparse_attention_triton(dev[0], dev[1], dev[2], None, dev[3], 0.1,
+                                                                   limit=dev[4], causal=causal).cpu()  # fmt: skip
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
 def test_wide_rows_of_many_queries_over_a_window_take_small_steps_and_fewer_splits():
     """9 queries x 4 heads (d 256) over a sliding window, each query with a valid row of its own: 16 tokens a step,
     half the programs per SM; under one valid row (a lossless verification's sliding layer), one query over a

@@ -17,7 +17,7 @@ def sparse_attention_reference(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    indices: torch.Tensor,
+    indices: torch.Tensor | None,
     valid: torch.Tensor | None,
     scaling: float,
     *,
@@ -31,8 +31,13 @@ def sparse_attention_reference(
     change the result; the entries of an index list from `limit` on count as invalid, with `causal` query i's
     from limit - Q + i + 1 on, and with `start` those before it).
 
-    Returns [B, Hq, Q, d]. Every row must have at least one valid index.
+    Returns [B, Hq, Q, d]. Every row must have at least one valid index. indices None: entry j is slot j of every
+    row (K = N, S = valid's, or Hkv without it).
     """
+    if indices is None:
+        rows = valid.shape[1] if valid is not None else keys.shape[1]
+        slots = torch.arange(keys.shape[2], device=keys.device)
+        indices = slots.view(1, 1, 1, -1).expand(query.shape[0], rows, query.shape[2], -1)
     if valid is None:
         valid = torch.ones(indices.shape, dtype=torch.bool, device=indices.device)
     if limit is not None:
@@ -62,7 +67,7 @@ def sparse_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    indices: torch.Tensor,
+    indices: torch.Tensor | None,
     valid: torch.Tensor | None,
     scaling: float,
     *,
@@ -73,6 +78,9 @@ def sparse_attention(
 ) -> torch.Tensor:
     """The op `sparsekv::sparse_attention`: the split-K Triton kernel on CUDA (any Q, GQA through S), the
     reference elsewhere.
+
+    indices None: every slot of the buffer in order (entry j is slot j), the same for every row and query: the
+    kernel then reads K/V rows in order without an index list (a dense read of a preallocated buffer).
 
     tickets: int32 [B * S * Q] zeros, owned by the caller and zero again after each call (e.g. a selector's
     `RowBuffer`): the split-K kernel then merges each row's partial outputs in the row's last program, one launch
@@ -102,8 +110,11 @@ def sparse_attention(
             raise ValueError(f"{name} must be an integer tensor {allowed}, got {bound.dtype} {tuple(bound.shape)}")
         if bound.device != query.device:
             raise ValueError(f"{name} is on {bound.device}, the query on {query.device}")
+    if indices is None and valid is not None and valid.shape[-1] != keys.shape[2]:
+        raise ValueError(f"without indices, valid lists every slot: {keys.shape[2]} entries, got {valid.shape[-1]}")
     if tickets is not None:
-        rows = indices.shape[0] * indices.shape[1] * indices.shape[2]
+        lists = valid.shape[1] if indices is None and valid is not None else keys.shape[1]
+        rows = query.shape[0] * query.shape[2] * (indices.shape[1] if indices is not None else lists)
         if tickets.dtype != torch.int32 or tickets.numel() < rows or not tickets.is_contiguous():
             raise ValueError(f"tickets must be a contiguous int32 tensor of at least {rows} zeros")
         if tickets.device != query.device:
@@ -116,7 +127,7 @@ def _sparse_attention_op(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    indices: torch.Tensor,
+    indices: torch.Tensor | None,
     valid: torch.Tensor | None,
     scaling: float,
     tickets: torch.Tensor | None,
@@ -134,9 +145,10 @@ def _sparse_attention_cuda(query, keys, values, indices, valid, scaling, tickets
                            start=None):  # fmt: skip
     from sparsekv.kernels._triton import use_triton
 
+    entries = keys.shape[2] if indices is None else indices.shape[-1]
     if (
-        use_triton(query, keys, values, indices)
-        and indices.shape[-1] > 0
+        use_triton(query, keys, values, *([] if indices is None else [indices]))
+        and entries > 0
         and keys.dtype == values.dtype == query.dtype
         and query.shape[-1] <= 256
     ):
