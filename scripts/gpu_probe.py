@@ -23,6 +23,9 @@ variant's output against the default's or a reference). Sections (comma-separate
   warps / programs per SM / stages (`_sparse_attention_triton.default_block`'s wide rows), each checked against the
   default's output.
   PROBE_WIDE=192:1:window,192:9:buffer picks the cases (batch:queries:window|buffer).
+- order: a whole-buffer read listed against in order (no index list, whatever the channels) at any shape, with the
+  in-order read's tile sweep; PROBE_ORDER=batch:kv_heads:group:channels:capacity:written:queries,... (default: the
+  embedded model's dense step and verification at 8K x B128, Llama 3 8B's at 128K x B4).
 
     python3 scripts/gpu_probe.py [hash,pair,selfindex,sweep,scoregrid,plain,lutselect,attnshape,wide]   # on a CUDA machine
     PROBE_BATCH=4 python3 scripts/gpu_probe.py selfindex   # at 128K x B4
@@ -467,3 +470,51 @@ def wide_probe(capacity=32904, written=32800, window=512):
 
 if "wide" in SECTIONS:
     wide_probe()
+
+
+def order_probe():
+    """A whole-buffer read under a kept row, listed (the default launch) against in order (`IN_ORDER_ABOVE_CHANNELS`
+    lifted), and the in-order read over tiles and stages; graph replays, the bytes floor at 4.25 TB/s."""
+    import functools
+
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    spec = os.environ.get("PROBE_ORDER", "128:3:3:64:9344:8448:1,128:3:3:64:9344:8448:9,4:8:4:128:131200:131072:1")
+    saved, above = dict(sa.TUNE), sa.IN_ORDER_ABOVE_CHANNELS
+    for case in spec.split(","):
+        batch, hkv, group, d, capacity, written, queries = (int(x) for x in case.split(":"))
+        keys = torch.randn(batch, hkv, capacity, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        query = torch.randn(batch, hkv * group, queries, d, device=dev, dtype=torch.bfloat16, generator=gen)
+        slots = torch.arange(capacity, device=dev).view(1, 1, 1, -1).expand(batch, hkv, queries, -1)
+        kept = torch.ones(batch, 1, 1, capacity, dtype=torch.bool, device=dev).expand(-1, hkv, queries, -1)
+        call = functools.partial(sa.sparse_attention_triton, query, keys, torch.randn_like(keys), valid=kept,
+                                 scaling=d**-0.5, limit=torch.tensor([written], device=dev), causal=queries > 1)  # fmt: skip
+        floor = 2 * batch * hkv * written * d * 2 / 4.25e12 * 1e6
+        reference = call(indices=slots).float()
+        listed = graph_us(lambda _, call=call, slots=slots: call(indices=slots), 1)
+        sa.IN_ORDER_ABOVE_CHANNELS = 0
+        err = float((call(indices=None).float() - reference).norm() / reference.norm())
+        ordered = graph_us(lambda _, call=call: call(indices=None), 1)
+        results = []
+        for block in (16, 32, 64, 128):
+            for stages in (2, 3, 4):
+                sa.TUNE.update(num_stages=stages)
+                try:
+                    call(indices=None, block=block)
+                except Exception as error:  # noqa: BLE001 - a launch over an SM's shared memory
+                    print(f"  block {block} stages {stages}: {type(error).__name__}")
+                    continue
+                results.append((graph_us(lambda _, call=call, block=block: call(indices=None, block=block), 1), block,
+                                stages))
+                sa.TUNE.update(saved)
+        sa.TUNE.update(saved)
+        sa.IN_ORDER_ABOVE_CHANNELS = above
+        results.sort()
+        print(f"order B{batch} {hkv}x{group} d{d} {written}/{capacity} Q{queries}: floor {floor:.1f} us | listed"
+              f" {listed:.1f} | in order {ordered:.1f} (err {err:.0e}) | in order best "
+              + "; ".join(f"{us:.1f} (block {b} stages {st})" for us, b, st in results[:4]), flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+
+
+if "order" in SECTIONS:
+    order_probe()

@@ -54,6 +54,9 @@ SHARED_MEMORY_BYTES = 232448
 #: this many bytes of them, which leaves two programs to an SM. H200, Gemma 3 270M's one query over a 32K buffer,
 #: B192, d 256, bf16: 32 tokens a step (96 KB) 1,418 us, 64 tokens 1,856 us; with an index list 2,114 us.
 EVERY_SLOT_STAGE_BYTES = 98304
+#: calls without an index list read in order for rows of more than this many channels (the measured ones); the
+#: others read through the list it stands for
+IN_ORDER_ABOVE_CHANNELS = WIDE_CHANNELS
 
 
 def default_block(channels: int, query_rows: int, row_per_query: bool = False, window: bool = False,
@@ -330,9 +333,9 @@ def sparse_attention_triton(
         raise ValueError("causal and start need `limit`")
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
-    # no index list: entry j is slot j for every row and query. Read in order where that was measured faster (rows
-    # of more than WIDE_CHANNELS channels, `EVERY_SLOT_STAGE_BYTES`); elsewhere through the list it stands for
-    every_slot = indices is None and d > WIDE_CHANNELS
+    # no index list: entry j is slot j for every row and query. Read in order where that was measured faster
+    # (`IN_ORDER_ABOVE_CHANNELS`, `EVERY_SLOT_STAGE_BYTES`); elsewhere through the list it stands for
+    every_slot = indices is None and d > IN_ORDER_ABOVE_CHANNELS
     if indices is None:
         s, kk = (valid.shape[1] if valid is not None else hkv), keys.shape[2]
         if every_slot:
