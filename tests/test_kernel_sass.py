@@ -76,7 +76,7 @@ def test_every_default_attention_launch_fits_an_sms_shared_memory(kernel_sass, d
         # window: a sliding layer's step, packed queries each from its own start (a verification's); every_slot:
         # the slots read in order, without an index list (their K/V tiles staged in shared memory)
         block = sa.default_block(channels, rows, window=window, element_size=4 if dtype == "fp32" else 2,
-                                 every_slot=every_slot)  # fmt: skip
+                                 every_slot=every_slot, rows_over_sms=True)  # fmt: skip  (the larger in-order tile)
         launch = constexprs | {"GP": rows, "G": rows if rows > 16 else 4, "GC": rows, "D": channels, "DP": channels,
                                "BLOCK": block, "PACKED": rows > 16, "CAUSAL": rows > 16, "VALID_PER_QUERY": False,
                                "LIMIT": True, "START": window, "START_PER_QUERY": window and rows > 16,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -440,7 +441,8 @@ def test_sparse_attention_packed_queries_triton(impl, hq, hkv, q, n, merge):
 
 
 @here
-@pytest.mark.parametrize("q,d,causal", [(1, 64, False), (1, 256, False), (5, 64, True), (9, 256, True)])
+@pytest.mark.parametrize("q,d,causal", [(1, 64, False), (1, 128, False), (1, 256, False), (5, 64, True),
+                                         (9, 256, True)])  # fmt: skip
 @pytest.mark.parametrize("kept", [False, True])
 def test_sparse_attention_without_an_index_list_reads_every_slot_triton(impl, q, d, causal, kept):
     """indices None: the kernel reads the buffer's slots in order (no list), as the reference over arange: the
@@ -461,6 +463,23 @@ def test_sparse_attention_without_an_index_list_reads_every_slot_triton(impl, q,
     out = impl["_sparse_attention_triton"].sparse_attention_triton(dev[0], dev[1], dev[2], None, dev[3], 0.1,
                                                                    limit=dev[4], causal=causal).cpu()  # fmt: skip
     torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
+def test_reads_without_an_index_list_go_in_order_where_that_was_measured_faster():
+    """One query reads in order at every width, many queries only over rows wider than 64 channels; one query in
+    order takes 32 tokens a step over 128 channels, over 256 channels 16 while rows are fewer than SMs and 32 after,
+    and no tile staged deeper than EVERY_SLOT_STAGE_BYTES."""
+    from sparsekv.kernels import _sparse_attention_triton as sa
+
+    assert sa.reads_in_order(64, 16) and sa.reads_in_order(128, 16) and sa.reads_in_order(256, 16)
+    assert not sa.reads_in_order(64, 32) and sa.reads_in_order(128, 64) and sa.reads_in_order(256, 64)
+    assert sa.default_block(128, 16, every_slot=True) == 32
+    assert sa.default_block(256, 16, every_slot=True) == 16
+    assert sa.default_block(256, 16, every_slot=True, rows_over_sms=True) == 32
+    assert sa.default_block(64, 16, every_slot=True) == sa.default_block(64, 16) == 2 * sa.TUNE["block"]
+    for channels, rows, size in itertools.product((64, 128, 256), (16, 64), (2, 4)):
+        block = sa.default_block(channels, rows, element_size=size, every_slot=True, rows_over_sms=True)
+        assert block == 16 or sa.TUNE["num_stages"] * block * channels * size * 2 <= sa.EVERY_SLOT_STAGE_BYTES
 
 
 def test_wide_rows_of_many_queries_over_a_window_take_small_steps_and_fewer_splits():

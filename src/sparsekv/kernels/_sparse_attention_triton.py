@@ -51,25 +51,34 @@ WINDOW_QUERY_ROWS = 32
 #: shared memory a program may take (an H100's or H200's SM: 227 KB); a launch over it fails to compile
 SHARED_MEMORY_BYTES = 232448
 #: an in-order read (no index list, `EVERY_SLOT`) stages its K/V tiles in shared memory, `num_stages` deep: at most
-#: this many bytes of them, which leaves two programs to an SM. H200, Gemma 3 270M's one query over a 32K buffer,
-#: B192, d 256, bf16: 32 tokens a step (96 KB) 1,418 us, 64 tokens 1,856 us; with an index list 2,114 us.
+#: this many bytes of them, which leaves two programs to an SM (float32 rows of 128 channels at 64 tokens, 3 stages:
+#: 262,144 bytes, over an SM's)
 EVERY_SLOT_STAGE_BYTES = 98304
-#: calls without an index list read in order for rows of more than this many channels (the measured ones); the
-#: others read through the list it stands for
-IN_ORDER_ABOVE_CHANNELS = WIDE_CHANNELS
+
+
+def reads_in_order(channels: int, query_rows: int) -> bool:
+    """Whether a call without an index list reads the slots in order (`EVERY_SLOT`) rather than through the list
+    it stands for. H200, graph replays, a whole buffer under a kept row (`scripts/gpu_probe.py order`): in order is
+    faster for one query at every width (64 channels, the embedded model's B128 step: 219 -> 205 us; 128, Llama 3
+    8B's 128K x B4: 693 -> 498; 256, Gemma 3 270M's 32K x B192: 2,118 -> 1,417) and for many queries over wider
+    rows (128 channels, 9 queries: 712 -> 608; 256: 2,324 -> 2,247), not for many queries over 64 channels (the
+    embedded model's 9-query verification: 271 listed, 314 at best in order)."""
+    return channels > NARROW_CHANNELS or query_rows <= 16
 
 
 def default_block(channels: int, query_rows: int, row_per_query: bool = False, window: bool = False,
-                  element_size: int = 2, every_slot: bool = False) -> int:  # fmt: skip
+                  element_size: int = 2, every_slot: bool = False, rows_over_sms: bool = False) -> int:  # fmt: skip
     """Tokens per step of a program with `query_rows` query rows (heads x packed queries) of `channels` each;
     row_per_query: each query row loads its own valid row every step; window: the call reads from a `start`;
     element_size: bytes of a query / key channel; every_slot: the call reads the buffer's slots in order (no
-    index list: Triton stages the K/V tiles in shared memory, `num_stages` of them)."""
+    index list: Triton stages the K/V tiles in shared memory, `num_stages` of them); rows_over_sms: the call has
+    more rows (batch x kv heads) than the device has SMs."""
     block = _listed_block(channels, query_rows, row_per_query, window, element_size)
-    if every_slot and channels > WIDE_CHANNELS and query_rows <= 16 and not window:
-        block = TUNE["block"] // 2
-    # the staged K/V tiles of an in-order read within EVERY_SLOT_STAGE_BYTES (float32 rows of 128 channels at 64
-    # tokens, 3 stages: 262,144 bytes of shared memory, over an SM's)
+    if every_slot and channels > NARROW_CHANNELS and query_rows <= 16 and not window:
+        # one query in order (H200, graph replays): 128 channels take 32 tokens (498 us at 128K x B4, 529 at 64);
+        # 256 channels 16 tokens while a row has several splits (B16: 152 us, 183 at 32; B128: 1,097, 1,289 at
+        # 32), 32 once rows outnumber the SMs and a row has about two (B192: 1,417, about 1,700 at 16)
+        block = 32 if channels <= WIDE_CHANNELS or rows_over_sms else 16
     while every_slot and block > 16 and TUNE["num_stages"] * block * channels * element_size * 2 > EVERY_SLOT_STAGE_BYTES:
         block //= 2
     return block
@@ -333,14 +342,14 @@ def sparse_attention_triton(
         raise ValueError("causal and start need `limit`")
     b, hq, q, d = query.shape
     hkv = keys.shape[1]
-    # no index list: entry j is slot j for every row and query. Read in order where that was measured faster
-    # (`IN_ORDER_ABOVE_CHANNELS`, `EVERY_SLOT_STAGE_BYTES`); elsewhere through the list it stands for
-    every_slot = indices is None and d > IN_ORDER_ABOVE_CHANNELS
-    if indices is None:
+    every_slot = False
+    if indices is None:  # entry j is slot j for every row and query: one list for every query
         s, kk = (valid.shape[1] if valid is not None else hkv), keys.shape[2]
+        pack = q if q > 1 and hq // s * q <= PACKED_ROWS else 1
+        every_slot = reads_in_order(d, max(16, next_pow2(hq // s * pack)))
         if every_slot:
             indices = keys.new_zeros(1, dtype=torch.int64).expand(b, s, q, kk)  # never read
-        else:
+        else:  # through the list it stands for
             indices = torch.arange(kk, device=keys.device).view(1, 1, 1, kk).expand(b, s, q, kk)
     else:
         s, kk = indices.shape[1], indices.shape[3]
@@ -360,9 +369,10 @@ def sparse_attention_triton(
     # packed queries with a valid row each (no row shared over the queries): [G x Q, BLOCK] mask loads a step
     row_per_query = has_valid and pack > 1 and valid.stride(2) != 0
     query_rows = max(16, next_pow2(heads_per_row * pack))
-    block = block or default_block(d, query_rows, row_per_query, start is not None, query.element_size(), every_slot)
     rows = b * s * q // pack
     sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
+    block = block or default_block(d, query_rows, row_per_query, start is not None, query.element_size(), every_slot,
+                                   rows > sms)  # fmt: skip
     if splits is None:
         # at most one wave of sm_mult resident programs per SM: a partial second wave adds a whole program's
         # latency (H200, 128K x B8, 64 rows: 9 splits 39.6 us, 8 splits 36.0 us)
