@@ -161,10 +161,6 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
 
     counted, tails = [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
-    # the re-rank and the attention on the ops (their references here), as on CUDA
-    applies = device.applies
-    monkeypatch.setattr(device, "applies", lambda kv, step: applies(kv, step) or (
-        kv.compressed and kv.mu is not None and kv.mu.dtype == torch.float32 and step.gqa == "group"))
     tail_from = device._tail_from
     monkeypatch.setattr(device, "_tail_from", lambda kv, step, dev: tails.append(step.hints) or tail_from(kv, step, dev))
     # as on a device: a step's k_max is the host bound (the capacity's budget), not the largest budget read back

@@ -24,6 +24,7 @@ from sparsekv.kernels.compressed_format import (
     quantize_codes,
     unpack_bits,
 )
+from sparsekv.kernels.compressed_kv import dequantized_rows
 from sparsekv.kernels.lut_score import lut_scores as kernel_lut_scores
 from sparsekv.selectors.self_index import (
     SelfIndexSelector,
@@ -38,6 +39,11 @@ from sparsekv.selectors.self_index.codes import _BITREV4
 from sparsekv.step import LayerInfo
 from tests.helpers import run_chunks
 
+
+def read_rows(sel, idx, position):
+    """K, V [B, S, Q, K, d] of the rows `idx` as a query at `position` reads them: `dequantized_rows` over the
+    layer's stored bytes (V in the stored domain)."""
+    return dequantized_rows(sel.kv.kernel_view(), idx, sel.kv.tail_from(torch.tensor([position])))
 
 def selector(head_dim=64, kv_heads=3, heads=9, **options) -> SelfIndexSelector:
     config = SparseConfig(method="self-index", budget=0.1, options=options)
@@ -254,7 +260,7 @@ def test_channel_axis_keys_round_trip():
     x = torch.nn.functional.pad(x, (0, 0, 24, 0)).view(1, 3, 7, 32, 64).amax(3)
     torch.testing.assert_close(scale, x / 7, rtol=2e-3, atol=0)  # 3 bits, zero at 0: max / 7
     idx = torch.arange(n).view(1, 1, 1, n).expand(1, 3, 1, n)
-    k_hat = sel.kv.gather_dequantized(idx, torch.tensor([n - 1]))[0][:, :, 0]
+    k_hat = read_rows(sel, idx, n - 1)[0][:, :, 0]
     row = (torch.arange(n) + 24) // 32
     bound = scale[:, :, row] / 2 * sel.kv.alpha * (1 + 1e-3) + 1e-5
     err = (k_hat - keys).abs()
@@ -269,10 +275,10 @@ def test_channel_axis_keys_round_trip():
     assert sel.kv.k_blocks.length == 8 and sel.kv.k_done == n + 32
     idx = torch.arange(n, n + 32).view(1, 1, 1, 32).expand(1, 3, 1, 32)
     # block [n, n + 64) is the residual
-    k_hat = sel.kv.gather_dequantized(idx, torch.tensor([n + 39]))[0][:, :, 0]
+    k_hat = read_rows(sel, idx, n + 39)[0][:, :, 0]
     torch.testing.assert_close(k_hat, new_k[:, :, :32].bfloat16().float())
     # the next residual block: compressed
-    k_hat = sel.kv.gather_dequantized(idx, torch.tensor([n + 64]))[0][:, :, 0]
+    k_hat = read_rows(sel, idx, n + 64)[0][:, :, 0]
     centred = new_k[:, :, :32].bfloat16().float() - sel.mu
     step = centred.abs().div(sel.kv.alpha).amax(2, keepdim=True) / 7
     bound = step / 2 * sel.kv.alpha * 1.01 + 1e-5
@@ -298,7 +304,7 @@ def test_compressed_keys_round_trip_error_and_signs():
     options = {"sink_tokens": 0, "k_axis": "token", "v_clip": False, "v_rotate": False, "k_rotate": False}
     sel = prefilled(selector(**options), keys, values, query)
     idx = torch.arange(200).view(1, 1, 1, 200).expand(1, 3, 1, 200)
-    k_hat, v_hat = sel.kv.gather_dequantized(idx, torch.tensor([199]))
+    k_hat, v_hat = read_rows(sel, idx, 199)
     k_hat, v_hat = k_hat[:, :, 0], v_hat[:, :, 0]
     centred = keys - sel.mu
     # K: sign kept exactly; magnitude error <= alpha * (half a step of the normalised group + fp16 zero)
@@ -343,8 +349,8 @@ def test_rescore_with_16_bit_keys_is_exact_top_k_among_the_candidates():
 def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_candidates(monkeypatch):
     """rescore_group="softmax" with kv_bits=16 and every token a candidate: the second stage ranks by each query
     head's attention summed over the group, oracle-topk's group rule, so the selection is oracle-topk's; the
-    summed-query rule ("sum") is another set here. The kernels' per-head path (one op call that reads each key
-    once for the group's heads) gives the torch branch's scores."""
+    summed-query rule ("sum") is another set here. Over a compressed cache the per-head rule is one op call that
+    reads each key once for the group's heads."""
     from sparsekv.selectors.self_index import device
     from sparsekv.step import DecodeStep
 
@@ -368,19 +374,21 @@ def test_rescore_group_softmax_is_the_exact_group_attention_top_k_among_the_cand
     sel, mask = chosen(rescore_group="softmax")
     assert torch.equal(mask, exact)
     assert not torch.equal(chosen(rescore_group="sum")[1], mask)
-    # a 2-bit cache: the kernels' per-head path (one op call for the group's heads; the op runs its reference on
-    # CPU) gives the torch branch's scores
+    # a 2-bit cache: one op call for the group's heads (a key read once for them) gives each head's softmax over
+    # q . (K - mu) of the candidates as attention reads them, summed over the group
     sel = prefilled(selector(rescore=10, rescore_group="softmax"), keys, values, query)
     step = sel._rotated_query(step_of(sel))
     index = torch.randperm(200, generator=gen)[:60].view(1, 1, 1, 60).expand(1, 3, 1, 60)
     ranked = torch.rand(1, 3, 1, 60, generator=gen) > 0.2
-    reference = sel._candidate_scores(step, index, ranked=ranked)
     calls = []
-    monkeypatch.setattr(device, "applies", lambda kv, step: True)
     op = device.compressed_key_scores
     monkeypatch.setattr(device, "compressed_key_scores", lambda *args: calls.append(args[0].shape) or op(*args))
-    kernels = sel._candidate_scores(step, index, ranked=ranked)
-    assert calls == [(1, 3, 3, 1, 64)] and torch.allclose(kernels, reference, atol=1e-5)
+    reference = sel._candidate_scores(step, index, ranked=ranked)
+    tail_from = sel.kv.tail_from(sel.kv.query_positions(1, index.device))
+    read = dequantized_rows(sel.kv.kernel_view(), index, tail_from)[0] - sel.kv.mu[:, :, None]
+    logits = torch.einsum("bsgqd,bsqcd->bsgqc", step.query.view(1, 3, 3, 1, 64).float(), read) * sel.layer.scaling
+    want = logits.masked_fill(~ranked[:, :, None], float("-inf")).softmax(-1).sum(2)
+    assert calls == [(1, 3, 3, 1, 64)] and torch.allclose(reference, want, atol=1e-5)
     assert torch.allclose(reference.sum(-1), torch.full((1, 3, 1), 3.0))  # each head's attention sums to 1
 
 
@@ -512,7 +520,7 @@ def test_v_rotate_spreads_an_outlier_channel_over_the_2_bit_groups():
     errors = {}
     for rotate in (True, False):
         sel = prefilled(selector(sink_tokens=0, v_rotate=rotate, v_clip=False), keys, values, query)
-        v_hat = sel.kv.unrotate_values(sel.kv.gather_dequantized(idx, torch.tensor([n - 1]))[1])[:, :, 0]
+        v_hat = sel.kv.unrotate_values(read_rows(sel, idx, n - 1)[1])[:, :, 0]
         errors[rotate] = ((v_hat - values).norm() / values.norm()).item()
     assert errors[True] < 0.6 * errors[False], errors
 
@@ -528,7 +536,7 @@ def test_sinks_kept_full_precision_and_always_selected():
     pos = sel.kv.sink_positions.long()
     assert pos.shape == (1, 3, 8) and (pos.diff(dim=-1) > 0).all()
     idx = pos[:, :, None]  # [1, 3, 1, 8]
-    k_hat, _ = sel.kv.gather_dequantized(idx, torch.tensor([299]))
+    k_hat, _ = read_rows(sel, idx, 299)
     exact_k = keys.gather(2, pos[..., None].expand(-1, -1, -1, 64))
     torch.testing.assert_close(k_hat[:, :, 0], exact_k.bfloat16().float())
     # the selection puts them in whenever the budget allows

@@ -1,14 +1,15 @@
 """Decode ops over the self-index compressed cache that read only the tokens they need: q . K of candidate rows
 (the re-rank) and attention over the selected rows, both dequantizing K/V on the fly from the stored bits.
 
-The layout is `SelfIndexSelector`'s (see `sparsekv.selectors.self_index.dequantize_keys` / `dequantize` for the
-exact formulas); the references here gather and dequantize with those torch functions, the Triton kernels
-(`_compressed_kv_triton`) read the same bytes per selected token.
+The layout is `SelfIndexSelector`'s (see `compressed_format.dequantize_keys` / `dequantize` for the exact
+formulas); the references here gather and dequantize with those torch functions (`dequantized_rows`, the one
+definition of a read of the compressed cache), the Triton kernels (`_compressed_kv_triton`) read the same bytes
+per selected token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -54,6 +55,18 @@ class CompressedKV:
     def head_dim(self) -> int:
         return self.mu.shape[-1]
 
+    def per_query_head(self, group: int) -> CompressedKV:
+        """The view with every head's fields repeated for the `group` query heads that read it (rows of their own
+        per query head, GQA "head"): a copy of each per-head tensor, as a gather per query head would make."""
+        if group == 1:
+            return self
+        repeated = {
+            field.name: value.repeat_interleave(group, dim=1)
+            for field in fields(self)
+            if isinstance(value := getattr(self, field.name), torch.Tensor)
+        }
+        return replace(self, **repeated)
+
 
 def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """t [B, H, R, c], rows [B, H, Q, K] -> [B, H, Q, K, c]."""
@@ -63,15 +76,29 @@ def _gather(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def centred_keys_reference(kv: CompressedKV, index: torch.Tensor) -> torch.Tensor:
-    """K - mu [B, H, Q, K, d] float32 of the compressed rows `index` [B, H, Q, K] (no 16-bit copies)."""
+    """K - mu [B, H, Q, K, d] of the compressed rows `index` [B, H, Q, K] (no 16-bit copies), in mu's dtype."""
     rows = index
     if kv.k_scale_tokens > 1:
         rows = ((index + kv.k_scale_offset) // kv.k_scale_tokens).clamp(max=kv.k_scale.shape[2] - 1)
     zero = None if kv.k_zero is None else _gather(kv.k_zero, rows)
     return dequantize_keys(
         _gather(kv.sign_bits, index), _gather(kv.k_mag, index), _gather(kv.k_scale, rows), zero,
-        kv.mu[:, :, None], kv.alpha[:, :, None], kv.k_bits, kv.midrise, torch.float32,
+        kv.mu[:, :, None], kv.alpha[:, :, None], kv.k_bits, kv.midrise, kv.mu.dtype,
     )  # fmt: skip
+
+
+def dequantized_rows(
+    kv: CompressedKV, index: torch.Tensor, tail_from: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [B, H, Q, K, d] of the rows `index` [B, H, Q, K] as the queries whose residual blocks start at
+    `tail_from` [Q] read them: compressed rows dequantized, the sinks and each query's residual block from their
+    16-bit copies; in mu's dtype, V in the stored domain (V R with a value rotation). The one definition of a
+    read of the compressed cache: both ops' references and a prompt's later chunks read through it."""
+    keys = _with_copies(centred_keys_reference(kv, index) + kv.mu[:, :, None], kv, index, tail_from,
+                        "sink_keys", "tail_keys")  # fmt: skip
+    values = dequantize(_gather(kv.v, index), _gather(kv.v_scale, index), _gather(kv.v_zero, index), kv.v_bits,
+                        kv.mu.dtype)  # fmt: skip
+    return keys, _with_copies(values, kv, index, tail_from, "sink_values", "tail_values")
 
 
 def compressed_key_scores_reference(
@@ -84,7 +111,7 @@ def compressed_key_scores_reference(
     keys = _with_copies(centred_keys_reference(kv, index) + kv.mu[:, :, None], kv, index, tail_from,
                         "sink_keys", "tail_keys")  # fmt: skip
     pattern = "bhgqd,bhqcd->bhgqc" if query.dim() == 5 else "bhqd,bhqcd->bhqc"
-    return torch.einsum(pattern, query.float(), keys - kv.mu[:, :, None]).contiguous()
+    return torch.einsum(pattern, query.to(keys.dtype), keys - kv.mu[:, :, None]).float().contiguous()
 
 
 def compressed_key_scores(
@@ -119,7 +146,7 @@ def _compressed_key_scores_cuda(query, index, tail_from, *kv_fields):
     from sparsekv.kernels._triton import kernel, use_triton
 
     kv = CompressedKV(*kv_fields)
-    if use_triton(query, kv.sign_bits, index) and index.shape[-1] > 0:
+    if use_triton(query, kv.sign_bits, index) and index.shape[-1] > 0 and kv.mu.dtype == torch.float32:
         impl = kernel("_compressed_kv_triton", "compressed_key_scores_triton")
         if impl is not None:
             return impl(query, kv, index, tail_from)
@@ -139,12 +166,12 @@ def _with_copies(rows, kv: CompressedKV, index, tail_from, copy_name: str, tail_
         pos = kv.sink_positions.long()
         hit = index[..., None] == pos[:, :, None, None, :]  # [B, H, Q, K, S]
         slot = torch.where(hit, torch.arange(pos.shape[-1], device=index.device), -1).amax(-1)
-        picked = _gather(copies.float(), slot.clamp(min=0))
+        picked = _gather(copies.to(rows.dtype), slot.clamp(min=0))
         rows = torch.where((slot >= 0)[..., None], picked, rows)
     if tail is not None and tail.shape[2] > 0:
         in_tail = index >= tail_from.view(1, 1, -1, 1)
         local = (index - kv.tail_first).clamp(0, tail.shape[2] - 1)
-        rows = torch.where(in_tail[..., None], _gather(tail.float(), local), rows)
+        rows = torch.where(in_tail[..., None], _gather(tail.to(rows.dtype), local), rows)
     return rows
 
 
@@ -157,15 +184,12 @@ def compressed_attention_reference(
     tail_from: torch.Tensor,
 ) -> torch.Tensor:
     """query [B, Hq, Q, d]; indices / valid [B, Hkv, Q, K] (each row shared by its GQA group); tail_from [Q]
-    int. Returns [B, Hq, Q, d] in the query's dtype, computed in float32 over the dequantized rows."""
+    int. Returns [B, Hq, Q, d] in the query's dtype, computed in mu's dtype (float32, or float64) over the
+    dequantized rows."""
     b, hq, q, d = query.shape
     h = indices.shape[1]
-    keys = _with_copies(centred_keys_reference(kv, indices) + kv.mu[:, :, None], kv, indices, tail_from,
-                        "sink_keys", "tail_keys")  # fmt: skip
-    values = dequantize(_gather(kv.v, indices), _gather(kv.v_scale, indices), _gather(kv.v_zero, indices),
-                        kv.v_bits, torch.float32)  # fmt: skip
-    values = _with_copies(values, kv, indices, tail_from, "sink_values", "tail_values")
-    qh = query.float().view(b, h, hq // h, q, d)
+    keys, values = dequantized_rows(kv, indices, tail_from)
+    qh = query.to(keys.dtype).view(b, h, hq // h, q, d)
     logits = torch.einsum("bhgqd,bhqkd->bhgqk", qh, keys) * scaling
     logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
     out = torch.einsum("bhgqk,bhqkd->bhgqd", torch.softmax(logits, dim=-1), values)
@@ -205,7 +229,8 @@ def _compressed_attention_cuda(query, indices, valid, scaling, tf32, tail_from, 
     from sparsekv.kernels._triton import kernel, use_triton
 
     kv = CompressedKV(*kv_fields)
-    if use_triton(query, kv.sign_bits, indices) and indices.shape[-1] > 0 and query.shape[-1] <= 256:
+    if (use_triton(query, kv.sign_bits, indices) and indices.shape[-1] > 0 and query.shape[-1] <= 256
+            and kv.mu.dtype == torch.float32):  # fmt: skip
         impl = kernel("_compressed_kv_triton", "compressed_attention_triton")
         if impl is not None:
             return impl(query, kv, indices, valid, scaling, tail_from, tf32=tf32)

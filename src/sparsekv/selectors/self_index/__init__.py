@@ -16,8 +16,8 @@ Per layer and kv-head, at the prefill:
   the top-k of these scores (GQA "group": the group's queries are summed first, which is exact by linearity) is
   the selection, with the method's sink tokens always in front;
 * second stage (`rescore`, default 3; 0 = the paper's LUT-only top-k): the LUT's best 3 x budget tokens of a row
-  are re-ranked by q . K as that row's query reads K in attention (`read_keys`: compressed tokens dequantized,
-  sinks and the query's residual block from their 16-bit copies) and the best `budget` kept. Measured on SmolLM2
+  are re-ranked by q . K as that row's query reads K in attention (`compressed_kv.dequantized_rows`: compressed
+  tokens dequantized, sinks and the query's residual block from their 16-bit copies) and the best `budget` kept. Measured on SmolLM2
   (2K window, 10%): the LUT alone keeps 65% of the exact attention mass (81% with token 0 forced), the re-ranked
   selection 87-89%, the oracle 93%; the LUT's centroids cannot tell an outlier key from an ordinary one with the
   same sign pattern, and those outliers carry the attention;
@@ -66,14 +66,15 @@ kernels rank the same integers; `scoring.lut_scores` is the float reference used
 fixed-shape (captured) decode step on CUDA runs the first stage as one op (`lut_topk_fixed`: scores, sinks and
 local keys forced, unwritten slots, the radix select's first histogram in one pass over the sign bits, then the
 sort-free select, which keeps each row's own 3 x budget candidates once every pick is a held key) and each row's
-budget of the re-ranked candidates with `kernels.select_within`; no [B, H, N] tensor is built. On CUDA the
-re-rank and the dequantizing attention run on the kernels (`device`, `kernels.compressed_kv`) over the stored
-bytes; `CompressedStore.read_keys` / `gather_dequantized` are the torch path. `kernels.bits.pack_sign_bits` packs
+budget of the re-ranked candidates with `kernels.select_within`; no [B, H, N] tensor is built. The re-rank
+and the dequantizing attention are the ops of `kernels.compressed_kv` (`device`): Triton kernels over the stored
+bytes on CUDA, their references (`dequantized_rows`) elsewhere. `kernels.bits.pack_sign_bits` packs
 the sign bits.
 
-Modules: `codes` (sign codes, codebook), `rotation` (the fixed orthogonal R; its seed is `rotation.V_ROTATE_SEED`), `scoring` (LUT scores, sinks),
-`store` (`CompressedStore`: what a layer holds, its writes and reads, memory), `device` (the kernel path),
-`selector` (`SelfIndexSelector`). The format itself (bit packing, quantizers, dequantization) is `kernels.compressed_format`.
+Modules: `codes` (sign codes, codebook), `rotation` (the fixed orthogonal R; its seed is `rotation.V_ROTATE_SEED`),
+`scoring` (LUT scores, sinks), `store` (`CompressedStore`: what a layer holds, its writes and reads, memory),
+`device` (the decode step's reads of the compressed cache, through the ops), `selector` (`SelfIndexSelector`). The
+format itself (bit packing, quantizers, dequantization) is `kernels.compressed_format`.
 """
 
 from sparsekv.selectors.self_index.codes import (

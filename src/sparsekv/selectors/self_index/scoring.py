@@ -3,7 +3,7 @@ prefill, then put first in every selection, at most `sink_share` of a query's bu
 
 `lut_scores` here is the torch reference for gqa="head" and float64; GQA "group" steps go through
 `kernels.lut_score` (Triton on CUDA). The second stage (the re-rank by q . K as attention reads K) is
-`SelfIndexSelector._rescored` over `CompressedStore.read_keys`.
+`SelfIndexSelector._rescored` through `device.candidate_scores`.
 """
 
 from __future__ import annotations

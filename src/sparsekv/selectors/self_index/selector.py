@@ -91,14 +91,14 @@ class SelfIndexSelector(TokenSelector):
         index times the normalised Hadamard matrix; a seeded QR rotation when head_dim is not a power of two), so
         that an outlier channel no longer sets the 2-bit range of its whole group. Every stored V row is in the
         rotated domain (quantized rows, 16-bit sinks and residual block, and kv_bits=16's full V); `attend`
-        un-rotates the attention output (out = out' R^T, exact since softmax . (V R) = (softmax . V) R), on both the
-        torch and the kernel path. No bytes: the layer holds its d signs (counted), the base matrix is a shared
-        constant regenerated from head_dim. `gather_dequantized` returns V in the stored (rotated) domain.
+        un-rotates the attention output (out = out' R^T, exact since softmax . (V R) = (softmax . V) R). No bytes:
+        the layer holds its d signs (counted), the base matrix is a shared constant regenerated from head_dim.
+        `compressed_kv.dequantized_rows` returns V in the stored (rotated) domain.
     k_rotate: store keys as K R (the same R as V's) and rotate each query by R before scoring and attention: q . k
         and so attention are unchanged, but the sign index, mu / alpha and the |K| scales all see rotated keys,
         whose energy is spread over the channels. Measured better both for the index (kv_bits=16) and for the
         compressed cache (results/self_index.md). Every stored K row (sign bits, |K| codes, sinks, residual
-        block, kv_bits=16's full K) is in the rotated domain; `read_keys` / `gather_dequantized` return it so.
+        block, kv_bits=16's full K) is in the rotated domain; `compressed_kv.dequantized_rows` returns it so.
 
     prompt_stats_tokens: a prompt that arrives in chunks (transformers' `prefill_chunk_size`) is held at 16-bit
         only until every row has this many real tokens (4096); the statistics (mu, alpha, codebook) come from
@@ -551,38 +551,39 @@ class SelfIndexSelector(TokenSelector):
     def _candidate_scores(self, step: DecodeStep, index: torch.Tensor, summed: torch.Tensor | None = None,
                           ranked: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The re-rank's score of the tokens `index` [B, S, Q, C] of each row, from q . (K - mu) with the keys as the
-        row's query reads them in attention (`read_keys`: compressed tokens dequantized, sinks and the query's
-        residual block at 16-bit); q . mu is the same for every key of a row and is left out. For gqa="group" the
-        query is summed over the group (exact by linearity; `summed`: already summed, by `group_query`), or with
-        `rescore_group="softmax"` each head's softmax over the row's `ranked` candidates [B, S, Q, C] is summed."""
+        row's query reads them in attention (compressed tokens dequantized, sinks and the query's residual block at
+        16-bit: `device.candidate_scores`); q . mu is the same for every key of a row and is left out. For
+        gqa="group" the query is summed over the group (exact by linearity; `summed`: already summed, by
+        `group_query`), or with `rescore_group="softmax"` each head's softmax over the row's `ranked` candidates
+        [B, S, Q, C] is summed."""
         layer = step.layer
         per_head = self._ranks_per_head(step)
-        if (on_kernels := device.candidate_scores(self.kv, step, index, summed, per_head)) is not None:
-            scores = on_kernels
-        else:
-            work = self.kv.mu.dtype
-            query = step.query.to(work)
-            b, _, q_len, d = query.shape
-            if step.gqa == "group" and layer.group_size > 1:
-                query = query.view(b, layer.num_kv_heads, layer.group_size, q_len, d)
-                query = query if per_head else query.sum(2)
-            s, c = index.shape[1], index.shape[-1]
-            scores = torch.empty((*query.shape[:-2], q_len, c), dtype=work, device=index.device)
-            chunk = max(1, (1 << 22) // max(1, b * s * c * d * (layer.group_size if per_head else 1)))
-            all_positions = self.kv.query_positions(q_len, index.device)
-            for lo in range(0, q_len, chunk):
-                hi = min(q_len, lo + chunk)
-                keys = self.kv.read_keys(index[:, :, lo:hi], all_positions[lo:hi])  # [B, S, q, C, d]
-                if per_head:
-                    scores[..., lo:hi, :] = torch.einsum("bsgqd,bsqcd->bsgqc", query[..., lo:hi, :], keys)
-                else:
-                    scores[:, :, lo:hi] = torch.einsum("bsqd,bsqcd->bsqc", query[:, :, lo:hi], keys)
+        if self.compressed:
+            scores = device.candidate_scores(self.kv, step, index, summed, per_head)
+        else:  # kv_bits=16: the keys as stored
+            scores = self._full_key_scores(step, index, per_head)
         if per_head:  # [B, S, G, Q, C] logits -> the group's summed attention over the row's candidates
             logits = scores.float() * layer.scaling
             if ranked is not None:
                 logits = logits.masked_fill(~ranked[:, :, None], float("-inf"))
             return torch.nan_to_num(logits.softmax(-1), nan=0.0).sum(2)
         return scores.float()
+
+    def _full_key_scores(self, step: DecodeStep, index: torch.Tensor, per_head: bool) -> torch.Tensor:
+        """q . (K - mu) of an uncompressed store's (kv_bits=16) rows `index` [B, S, Q, C] -> [B, S, Q, C] (with
+        `per_head` [B, S, G, Q, C]), in the work dtype."""
+        layer = step.layer
+        work = self.kv.mu.dtype
+        query = step.query.to(work)
+        b, _, q_len, d = query.shape
+        if step.gqa == "group" and layer.group_size > 1:
+            query = query.view(b, layer.num_kv_heads, layer.group_size, q_len, d)
+            query = query if per_head else query.sum(2)
+        s = index.shape[1]
+        mu = self.kv.per_head(self.kv.mu, s)[:, :, None]  # [B, S, 1, 1, d]
+        keys = self.kv.gather(self.kv.rows, "k_full", index).to(work) - mu  # [B, S, Q, C, d]
+        pattern = "bsgqd,bsqcd->bsgqc" if per_head else "bsqd,bsqcd->bsqc"
+        return torch.einsum(pattern, query, keys)
 
     # --- attention over the gathered tokens -------------------------------------------------------------------
 
@@ -593,43 +594,12 @@ class SelfIndexSelector(TokenSelector):
         step = self._rotated_query(step)
         kv = self.kv
         unrotate = functools.partial(maybe_compiled(_output_rows, self._compiles(step)), kv)
-        if (on_kernels := device.attend(kv, step, selection, scaling, model_dtype)) is not None:
-            return unrotate(on_kernels)  # dequantizes only the selected tokens' bytes, in registers
-        if not self.compressed:
-            keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
-            out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
-                                   tickets=self.attention_tickets(selection, step.query.device))  # fmt: skip
-            return unrotate(out)
-        query = step.query
-        b, hq, q_len, d = query.shape
-        s = selection.indices.shape[1]
-        k_sel = selection.indices.shape[-1]
-        chunk = max(1, (1 << 22) // max(1, b * s * k_sel * d))
-        # with v_rotate the rotated output stays in the work dtype until it is un-rotated
-        out = query.new_empty(b, hq, q_len, d, dtype=query.dtype if kv.v_signs is None else kv.mu.dtype)
-        all_positions = kv.query_positions(q_len, query.device)
-        for lo in range(0, q_len, chunk):
-            hi = min(q_len, lo + chunk)
-            out[:, :, lo:hi] = self._attend_chunk(
-                query[:, :, lo:hi],
-                selection.indices[:, :, lo:hi],
-                selection.valid[:, :, lo:hi],
-                all_positions[lo:hi],
-                scaling,
-            )
-        return out if kv.v_signs is None else unrotate(out).to(query.dtype)
-
-    def _attend_chunk(self, query, indices, valid, positions, scaling) -> torch.Tensor:
-        b, hq, q, d = query.shape
-        s = indices.shape[1]
-        keys, values = self.kv.gather_dequantized(indices, positions)
-        work = keys.dtype
-        qh = query.to(work).view(b, s, hq // s, q, d)
-        logits = torch.einsum("bsgqd,bsqkd->bsgqk", qh, keys) * scaling
-        logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
-        weights = torch.softmax(logits, dim=-1)
-        out = torch.einsum("bsgqk,bsqkd->bsgqd", weights, values)
-        return out.reshape(b, hq, q, d).to(query.dtype if self.kv.v_signs is None else work)
+        if self.compressed:  # dequantizes only the selected tokens' bytes (in registers on the kernels)
+            return unrotate(device.attend(kv, step, selection, scaling, model_dtype))
+        keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
+        out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
+                               tickets=self.attention_tickets(selection, step.query.device))  # fmt: skip
+        return unrotate(out)
 
 
 def _row_budgets(step: DecodeStep, b: int, hkv: int) -> torch.Tensor:

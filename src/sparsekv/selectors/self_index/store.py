@@ -8,10 +8,11 @@ stored V row V R with v_rotate.
 
 Writes: `prefill` (statistics, codebook, sink copies, the prompt's rows), `append` (decode tokens, and the later
 chunks of a prompt stored chunk by chunk: rows with the prompt's statistics, the residual block's 16-bit copy, and
-the K blocks completed), `set_sinks` (the sinks of a prompt stored chunk by chunk, once it ended). Reads: `read_keys` /
-`gather_dequantized`, the tokens as a query at a given position reads them (compressed rows dequantized, sinks and
-the query's own residual block from their 16-bit copies); `kernel_view` hands the same bytes to
-`kernels.compressed_kv`. `memory_breakdown` measures the bytes of the tensors held (buffer capacity included).
+the K blocks completed), `set_sinks` (the sinks of a prompt stored chunk by chunk, once it ended). Reads:
+`kernel_view` hands the stored bytes to `kernels.compressed_kv`, whose ops and `dequantized_rows` read the tokens as
+a query at a given position reads them (compressed rows dequantized, sinks and the query's own residual block from
+their 16-bit copies); `read_all_into` writes every token so. `memory_breakdown` measures the bytes of the tensors
+held (buffer capacity included).
 """
 
 from __future__ import annotations
@@ -25,13 +26,11 @@ import torch.nn.functional as F
 from sparsekv.config import ConfigError
 from sparsekv.kernels.bits import pack_sign_bits
 from sparsekv.kernels.compressed_format import (
-    dequantize,
-    dequantize_keys,
     pack_bits,
     quantize,
     quantize_codes,
 )
-from sparsekv.kernels.compressed_kv import CompressedKV
+from sparsekv.kernels.compressed_kv import CompressedKV, dequantized_rows
 from sparsekv.selectors.base import maybe_compiled, tensor_nbytes
 from sparsekv.selectors.self_index.buffers import RowBuffers
 from sparsekv.selectors.self_index.codes import one_pass_centroids, sign_codes
@@ -138,8 +137,8 @@ class CompressedStore:
         return _times(v * self.v_signs.to(work), self.rot_base.to(work))
 
     def unrotate_values(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., d] in the stored V domain (an attention output, or rows of `gather_dequantized`) -> x R^T, in the
-        input's dtype, computed in the cache's work dtype (x itself without v_rotate)."""
+        """x [..., d] in the stored V domain (an attention output, or rows of `compressed_kv.dequantized_rows`) ->
+        x R^T, in the input's dtype, computed in the cache's work dtype (x itself without v_rotate)."""
         return self._unrotate(x, self.v_signs)
 
     def unrotate_keys(self, x: torch.Tensor) -> torch.Tensor:
@@ -440,54 +439,18 @@ class CompressedStore:
         block = self.decode_start + (positions - self.decode_start) // self.residual * self.residual
         return block.clamp(min=self.tail_start)
 
-    def _per_head(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+    def per_head(self, t: torch.Tensor, heads: int) -> torch.Tensor:
+        """t [B, Hkv, ...] repeated for `heads` rows (kv heads, or query heads for rows of their own)."""
         rep = heads // self.num_kv_heads
         return t.repeat_interleave(rep, dim=1) if rep > 1 else t
 
-    def _gather(self, buffers: RowBuffers, name: str, indices: torch.Tensor) -> torch.Tensor:
+    def gather(self, buffers: RowBuffers, name: str, indices: torch.Tensor) -> torch.Tensor:
         """Rows `indices` [B, S, Q, K] of buffers[name] [B, Hkv, N, c] (S = kv heads or query heads) ->
         [B, S, Q, K, c]."""
         b, s, q, k = indices.shape
-        src = self._per_head(buffers.view(name), s)
+        src = self.per_head(buffers.view(name), s)
         flat = indices.reshape(b, s, q * k, 1).expand(-1, -1, -1, src.shape[-1])
         return src.gather(2, flat).view(b, s, q, k, src.shape[-1])
-
-    def read_keys(self, indices: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """K - mu as read by the queries at `positions` [Q] for the tokens `indices` [B, S, Q, K] ->
-        [B, S, Q, K, d]: compressed tokens through `dequantize_keys`, sinks and each query's residual block from
-        their 16-bit copies."""
-        s = indices.shape[1]
-        work = self.mu.dtype
-        mu = self._per_head(self.mu, s)[:, :, None]  # [B, S, 1, 1, d]
-        if not self.compressed:
-            return self._gather(self.rows, "k_full", indices).to(work) - mu
-        if self.k_axis == "channel":
-            rows = ((indices + self.k_pad) // self.k_group).clamp(max=self.k_blocks.view_length - 1)  # later: tail
-            scale = self._gather(self.k_blocks, "k_scale", rows)
-        else:
-            scale = self._gather(self.rows, "k_scale", indices)
-        zero = self._gather(self.rows, "k_zero", indices) if self.k_zero else None
-        alpha = self._per_head(self.alpha, s)[:, :, None]
-        keys = dequantize_keys(self._gather(self.rows, "sign_bits", indices), self._gather(self.rows, "k_mag", indices),
-                               scale, zero, mu, alpha, self.k_bits, False, work)  # fmt: skip
-        return self._with_copies(indices, positions, keys + mu, "k") - mu
-
-    def gather_dequantized(
-        self, indices: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """indices [B, S, Q, K] (S = kv heads or query heads), positions [Q] of the queries ->
-        K, V [B, S, Q, K, d] as read by those queries (sinks and the query's residual block at 16-bit). V is in
-        the stored domain: V R with v_rotate (`unrotate_values` maps it back)."""
-        work = self.mu.dtype
-        keys = self._per_head(self.mu, indices.shape[1])[:, :, None] + self.read_keys(indices, positions)
-        values = dequantize(
-            self._gather(self.rows, "v", indices),
-            self._gather(self.rows, "v_scale", indices),
-            self._gather(self.rows, "v_zero", indices),
-            self.kv_bits,
-            work,
-        )
-        return keys, self._with_copies(indices, positions, values, "v")
 
     def row(self, index: int) -> CompressedStore:
         """A read-only view of one sequence (batch row `index`): every per-sequence tensor sliced to [1, ...]."""
@@ -507,41 +470,18 @@ class CompressedStore:
         b, h, n, _ = keys.shape
         if n != self.rows.length:
             raise ValueError(f"read_all_into: {n} rows asked, {self.rows.length} stored")
-        last = torch.tensor([n - 1], device=keys.device)
+        tail_from = self.tail_from(torch.tensor([n - 1], device=keys.device))
+        view = self.kernel_view() if self.compressed else None
         for lo in range(0, n, slice_tokens):
             hi = min(n, lo + slice_tokens)
-            if self.compressed:
+            if view is not None:
                 index = torch.arange(lo, hi, device=keys.device)[None, None, None].expand(b, h, 1, -1)
-                k, v = self.gather_dequantized(index, last)
+                k, v = dequantized_rows(view, index, tail_from)
                 k, v = k[:, :, 0], v[:, :, 0]
             else:
                 k, v = self.rows.view("k_full")[:, :, lo:hi], self.rows.view("v_full")[:, :, lo:hi]
             keys[:, :, lo:hi] = self.unrotate_keys(k).to(keys.dtype)
             values[:, :, lo:hi] = self.unrotate_values(v).to(values.dtype)
-
-    def _with_copies(
-        self, indices: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, which: str
-    ) -> torch.Tensor:
-        """rows [B, S, Q, K, d] (K or V) with the sinks and each query's residual block replaced by their 16-bit
-        copies (`which` = "k" or "v")."""
-        b, s, q, k = indices.shape
-        d = rows.shape[-1]
-        work = rows.dtype
-        if self.sink_positions is not None and self.sink_keys is not None:
-            sink_pos = self._per_head(self.sink_positions.long(), s)
-            flat_idx = indices.reshape(b, s, q * k).contiguous()
-            slot = torch.searchsorted(sink_pos.contiguous(), flat_idx).clamp(max=sink_pos.shape[-1] - 1)
-            is_sink = (sink_pos.gather(-1, slot) == flat_idx).view(b, s, q, k, 1)
-            flat = slot[..., None].expand(-1, -1, -1, d)
-            src = self.sink_keys if which == "k" else self.sink_values
-            sink = self._per_head(src, s).to(work).gather(2, flat).view(b, s, q, k, d)
-            rows = torch.where(is_sink, sink, rows)
-        if self.residual > 0 and self.tail.view_length > 0:
-            in_block = indices >= self.tail_from(positions)[None, None, :, None]
-            local = (indices - self.tail_start).clamp(0, self.tail.view_length - 1)
-            tail = self._gather(self.tail, which, local).to(work)
-            rows = torch.where(in_block[..., None], tail, rows)
-        return rows
 
     def kernel_view(self) -> CompressedKV:
         """The stored bytes as `kernels.compressed_kv` reads them (compressed rows, float32 statistics)."""
