@@ -59,8 +59,8 @@ EVERY_SLOT_STAGE_BYTES = 98304
 def reads_in_order(channels: int, query_rows: int) -> bool:
     """Whether a call without an index list reads the slots in order (`EVERY_SLOT`) rather than through the list
     it stands for. H200, graph replays, a whole buffer under a kept row (`scripts/gpu_probe.py order`): in order is
-    faster for one query at every width (64 channels, the embedded model's B128 step: 219 -> 205 us; 128, Llama 3
-    8B's 128K x B4: 693 -> 498; 256, Gemma 3 270M's 32K x B192: 2,118 -> 1,417) and for many queries over wider
+    faster for one query at every width (64 channels, the embedded model's B128 step: 219 -> 202 us; 128, Llama 3
+    8B's 128K x B4: 697 -> 505; 256, Gemma 3 270M's 32K x B192: 2,118 -> 1,417) and for many queries over wider
     rows (128 channels, 9 queries: 712 -> 608; 256: 2,324 -> 2,247), not for many queries over 64 channels (the
     embedded model's 9-query verification: 271 listed, 314 at best in order)."""
     return channels > NARROW_CHANNELS or query_rows <= 16
