@@ -526,16 +526,26 @@ def test_sparsekv_generate_decodes_through_the_same_path(real_model):
 
 
 @pytest.mark.parametrize("method", ["dense", "oracle-topk"])
-def test_sliding_window_layers_keep_their_window_in_fixed_shape_steps(method):
+def test_sliding_window_layers_keep_their_window_in_fixed_shape_steps(method, monkeypatch):
     """Gemma 3's sliding-window layers (window 16 here, a 60-token prompt) see only their window in the fixed-shape
-    step too: the same tokens as the eager steps, which attend through the model's own sliding mask."""
+    step too: the same tokens as the eager steps, which attend through the model's own sliding mask. A dense
+    layer's read of the whole buffer passes no index list (the kernel reads the slots in order), a window's read
+    from its first slot a list."""
+    from sparsekv import attention
+
     model = random_model("tiny-gemma3", dtype=torch.float32)
     assert {i.window for i in sparsekv.cache.layer_infos(model) if i.sliding} == {16}
     ids = torch.randint(3, model.config.vocab_size, (1, 60), generator=torch.Generator().manual_seed(0))
     config = _config(method, None if method == "dense" else 0.2)
     eager, _, _ = _generate(model, ids, config, graph_decode=False, steps=8, pad_token_id=0)
+    reads = []
+    op = attention.sparse_attention
+    monkeypatch.setattr(attention, "sparse_attention", lambda *args, **kw: reads.append(
+        (args[3] is None, kw.get("start") is not None)) or op(*args, **kw))  # fmt: skip
     tokens, steps, _ = _generate(model, ids, config, graph_decode=True, steps=8, pad_token_id=0)
     assert steps.get("fixed-shape") == 6 and torch.equal(tokens, eager)
+    if method == "dense":  # every layer reads its buffer: the global ones whole, the sliding ones from a start
+        assert set(reads) == {(True, False), (False, True)}
 
 
 @pytest.mark.parametrize("method,budget", [("lsh", 0.05), ("twilight", 0.25)])
