@@ -167,3 +167,27 @@ def test_every_layout_stores_a_chunked_prompt(tiny, options):
     store = cache.layers[1].selector.kv
     assert store.decode_start == STATS and store.rows.length == PROMPT + 5
     assert (store.sink_positions is None) == (options.get("sink_tokens", 32) == 0)
+
+
+@pytest.mark.parametrize("slice_tokens", [5, 32])
+def test_a_long_chunk_is_stored_in_slices_exactly(tiny, monkeypatch, slice_tokens):
+    """A prompt chunk longer than `store.APPEND_SLICE` is appended a slice at a time (bounded work tensors): every
+    stored tensor, the sinks and the logits equal those of one append of the whole chunk (float64: exact)."""
+    from sparsekv.selectors.self_index import store
+
+    ids = random_ids(tiny, 2, PROMPT, seed=6)
+    options = {"residual": 8, "k_group": 4}  # slices of 5 cut across the residual and K blocks
+    tokens, logits, cache = generate(tiny, config(**options), ids, prefill_chunk_size=48)
+    monkeypatch.setattr(store, "APPEND_SLICE", slice_tokens)
+    sliced_tokens, sliced_logits, sliced = generate(tiny, config(**options), ids, prefill_chunk_size=48)
+    assert torch.equal(tokens, sliced_tokens)
+    torch.testing.assert_close(sliced_logits, logits, rtol=0, atol=0)
+    for whole, parts in zip(cache.layers[1:], sliced.layers[1:], strict=True):
+        a, b = whole.selector.kv, parts.selector.kv
+        for buffers in ("rows", "k_blocks", "tail"):
+            held, got = getattr(a, buffers), getattr(b, buffers)
+            assert held.length == got.length and held.tensors.keys() == got.tensors.keys()
+            for name in held.tensors:
+                assert torch.equal(held.view(name), got.view(name)), (buffers, name)
+        for name in ("sink_positions", "sink_keys", "sink_values", "mu", "alpha", "centroids"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -29,10 +29,14 @@ def synthetic_fill(model, cache, batch: int, context: int, *, chunk: int = 8192,
     queries = torch.Generator(device=device).manual_seed(seed + 1)
     fills = synthetic_kv(model, batch, context, chunk=chunk, seed=seed)
     for idx, (layer, info, chunks) in enumerate(zip(cache.layers, cache.infos, fills)):
+        window = None if layer.selector is None else layer.selector.prompt_query_window()
         for k, v in chunks:
             keys, values = cache.update(k, v, idx)
             if layer.selector is not None:
-                shape = (batch, info.num_heads, k.shape[-2], info.head_dim)
+                # the chunk's last queries, as many as the selector reads (None: all): a model's prefill
+                # activations, which are not to decide how many sequences fit
+                queries_given = k.shape[-2] if window is None else min(k.shape[-2], max(window, 1))
+                shape = (batch, info.num_heads, queries_given, info.head_dim)
                 q = torch.randn(shape, device=device, dtype=dtype, generator=queries)
                 layer.prompt_chunk_attended(keys, values, q, None, layer.length == context)
             del k, v, keys, values

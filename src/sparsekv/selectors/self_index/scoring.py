@@ -59,7 +59,19 @@ def snap_sinks(
 
     Returns (positions [B, Hkv, count] int64 sorted ascending, unused slots = SENTINEL; rank [B, Hkv, count]
     int64, 0 = most attended, in the same order).
-    """
+
+    One sequence at a time: the float32 logits and the keys' float32 copy for every query head are several times
+    the prompt's own bytes, and a batch's would all be alive at once, next to the cache that the prompt fills."""
+    parts = [_snap_sinks_row(keys[row : row + 1], query[row : row + 1], count, scaling,
+                             None if key_mask is None else key_mask[row : row + 1])
+             for row in range(keys.shape[0])]  # fmt: skip
+    positions, rank = zip(*parts, strict=True)
+    return torch.cat(positions), torch.cat(rank)
+
+
+def _snap_sinks_row(
+    keys: torch.Tensor, query: torch.Tensor, count: int, scaling: float, key_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     b, hkv, n, _ = keys.shape
     hq = query.shape[1]
     mask = torch.ones(b, n, dtype=torch.bool, device=keys.device) if key_mask is None else key_mask.bool()

@@ -70,6 +70,10 @@ def check_compiled_device(device: torch.device) -> None:
         )
 
 
+#: tokens per `_append` of a long `append`: 1,024 tokens x 8 kv heads of 128 channels make about 40 MB of float32
+#: work tensors a sequence, an 8,192-token chunk about 0.3 GB
+APPEND_SLICE = 1024
+
 #: rows up to which a rotation traced by torch.compile is a multiply-sum instead of a matmul (`_times`)
 FUSED_ROTATION_ROWS = 4096
 
@@ -180,8 +184,8 @@ class CompressedStore:
         centred = k - self.mu
         masked_abs = centred.abs() * weight[:, None, :, None]
         self.alpha = masked_abs.amax(2, keepdim=True).clamp(min=torch.finfo(work).tiny ** 0.5)
-        codes = sign_codes(centred)
-        centroids = one_pass_centroids(centred, codes, None if key_mask is None else key_mask.bool())
+        centroids = one_pass_centroids(centred, sign_codes(centred), None if key_mask is None else key_mask.bool())
+        del k, centred, masked_abs  # float32 copies of the prompt: not alive while `_append` makes its own
         # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
         self.centroids = centroids if work == torch.float64 else centroids.to(torch.float16)
         if sinks is not None:
@@ -197,7 +201,7 @@ class CompressedStore:
         )
         if self.channel_axis:
             self.k_pad = (-n) % self.k_group
-            exclude = torch.zeros(b, k.shape[1], n + 1, dtype=torch.bool, device=k.device)
+            exclude = torch.zeros(b, keys.shape[1], n + 1, dtype=torch.bool, device=keys.device)
             if self.sink_keys is not None:
                 exclude.scatter_(-1, self.sink_positions.long().clamp(max=n), True)
             exclude = exclude[..., :n]
@@ -208,8 +212,13 @@ class CompressedStore:
         self.tail_start = n
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode tokens (keys / values [B, Hkv, T, d] as the model gives them), with the prompt's statistics."""
-        self._append(self.rotate_keys(keys), values)
+        """Decode tokens, or a later chunk of a prompt stored chunk by chunk (keys / values [B, Hkv, T, d] as the
+        model gives them), with the prompt's statistics. A long chunk goes APPEND_SLICE tokens at a time (what
+        appends of its parts write, exactly): its float32 work tensors, several times the chunk's own bytes, then
+        stay small next to a cache that is nearly full by the prompt's last chunk."""
+        for start in range(0, max(1, keys.shape[2]), APPEND_SLICE):
+            part = slice(start, start + APPEND_SLICE)
+            self._append(self.rotate_keys(keys[:, :, part]), values[:, :, part])
 
     def crop(self, length: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Rolls the store back to its first `length` tokens (decode tokens only), exactly: back to the last count
