@@ -170,16 +170,17 @@ def test_every_layout_stores_a_chunked_prompt(tiny, options):
 
 
 @pytest.mark.parametrize("slice_tokens", [5, 32])
-def test_a_long_chunk_is_stored_in_slices_exactly(tiny, monkeypatch, slice_tokens):
-    """A prompt chunk longer than `store.APPEND_SLICE` is appended a slice at a time (bounded work tensors): every
-    stored tensor, the sinks and the logits equal those of one append of the whole chunk (float64: exact)."""
+@pytest.mark.parametrize("chunk", [48, None])
+def test_a_long_chunk_is_stored_in_slices_exactly(tiny, monkeypatch, slice_tokens, chunk):
+    """A prompt, or a prompt chunk, longer than `store.APPEND_SLICE` is compressed a slice at a time (bounded work
+    tensors): every stored tensor, the sinks and the logits equal those of one pass over it (float64: exact)."""
     from sparsekv.selectors.self_index import store
 
-    ids = random_ids(tiny, 2, PROMPT, seed=6)
-    options = {"residual": 8, "k_group": 4}  # slices of 5 cut across the residual and K blocks
-    tokens, logits, cache = generate(tiny, config(**options), ids, prefill_chunk_size=48)
+    ids = random_ids(tiny, 2, PROMPT + 1, seed=6)  # a whole prompt's first K block is 3 tokens short
+    options = {"residual": 16, "k_group": 8}  # appends of 5 tokens cut across the residual and K blocks
+    tokens, logits, cache = generate(tiny, config(**options), ids, prefill_chunk_size=chunk)
     monkeypatch.setattr(store, "APPEND_SLICE", slice_tokens)
-    sliced_tokens, sliced_logits, sliced = generate(tiny, config(**options), ids, prefill_chunk_size=48)
+    sliced_tokens, sliced_logits, sliced = generate(tiny, config(**options), ids, prefill_chunk_size=chunk)
     assert torch.equal(tokens, sliced_tokens)
     torch.testing.assert_close(sliced_logits, logits, rtol=0, atol=0)
     for whole, parts in zip(cache.layers[1:], sliced.layers[1:], strict=True):
@@ -187,7 +188,8 @@ def test_a_long_chunk_is_stored_in_slices_exactly(tiny, monkeypatch, slice_token
         for buffers in ("rows", "k_blocks", "tail"):
             held, got = getattr(a, buffers), getattr(b, buffers)
             assert held.length == got.length and held.tensors.keys() == got.tensors.keys()
-            for name in held.tensors:
+            for name in held.tensors:  # the same values, in buffers of the same room (grown once, not per part)
                 assert torch.equal(held.view(name), got.view(name)), (buffers, name)
+                assert held.tensors[name].shape == got.tensors[name].shape, (buffers, name)
         for name in ("sink_positions", "sink_keys", "sink_values", "mu", "alpha", "centroids"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name

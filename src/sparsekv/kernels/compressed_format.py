@@ -18,8 +18,9 @@ import torch
 
 #: range ratios tried per group by `quantize(clip=True)` (the V rows; least squared error): 1, 0.95, ..., 0.6
 V_CLIP_RATIOS = tuple(1 - 0.05 * i for i in range(9))
-#: groups quantized at once: bounds the [groups, ratios, group] temporaries of a long prefill
-_QUANT_CHUNK = 1 << 18
+#: groups quantized at once: bounds the [groups, ratios, group] temporaries of a long prefill (2**16 groups of 64
+#: with the nine clip ratios: about 150 MB a float32 temporary, a few alive at once, next to a nearly full cache)
+_QUANT_CHUNK = 1 << 16
 
 
 def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:

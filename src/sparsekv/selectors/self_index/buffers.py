@@ -33,6 +33,19 @@ class RowBuffers:
             self.tensors[name][:, :, self.length : needed] = value
         self.length = needed
 
+    def make_room(self, count: int) -> None:
+        """Room for `count` more rows in every tensor, made at once: a long write that goes in parts (`append` of
+        each) then grows the buffers once, not once a part. Before the first append, that append allocates it."""
+        needed = self.length + count
+        if not self.tensors:
+            self.reserve = max(self.reserve, needed)
+            return
+        for name, buf in self.tensors.items():
+            if buf.shape[2] < needed:
+                grown = buf.new_empty(*buf.shape[:2], max(needed + self.step, self.reserve), *buf.shape[3:])
+                grown[:, :, : self.length] = buf[:, :, : self.length]
+                self.tensors[name] = grown
+
     @property
     def view_length(self) -> int:
         """Rows a view shows: the tokens held, or the whole capacity during fixed-shape decoding (`fix`)."""

@@ -78,6 +78,20 @@ APPEND_SLICE = 1024
 FUSED_ROTATION_ROWS = 4096
 
 
+def _prompt_statistics(keys: torch.Tensor, key_mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """mu [B, H, 1, d] (the mean key), alpha [B, H, 1, d] (the largest |K - mu| per channel) and the codebook [B, H,
+    d/4, 16, 4] (`one_pass_centroids`) of keys [B, H, N, d] (rotated) in the work dtype; key_mask [B, N] (False =
+    padding) keeps padding out."""
+    b, _, n, _ = keys.shape
+    k = keys.to(work_dtype(keys))
+    weight = torch.ones(b, n, dtype=k.dtype, device=k.device) if key_mask is None else key_mask.to(k.dtype)
+    wsum = weight.sum(-1).clamp(min=1)[:, None, None, None]
+    mu = (k * weight[:, None, :, None]).sum(2, keepdim=True) / wsum
+    centred = k - mu
+    alpha = (centred.abs() * weight[:, None, :, None]).amax(2, keepdim=True).clamp(min=torch.finfo(k.dtype).tiny ** 0.5)
+    return mu, alpha, one_pass_centroids(centred, sign_codes(centred), None if key_mask is None else key_mask.bool())
+
+
 def _times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """x [..., d] @ matrix [d, d]. Traced by torch.compile (`compile_step`: a decode step's few rows) it is a
     multiply-sum that inductor fuses with the ops around it: cuBLAS's float32 kernels for these 8-32 rows took up
@@ -176,16 +190,14 @@ class CompressedStore:
             self.rot_base = rotation_base(d, work, keys.device)
             self.v_signs = signs if self.v_rotate else None
             self.k_signs = signs if self.k_rotate else None
-        keys = self.rotate_keys(keys)
-        k = keys.to(work)
-        weight = torch.ones(b, n, dtype=work, device=k.device) if key_mask is None else key_mask.to(work)
-        wsum = weight.sum(-1).clamp(min=1)[:, None, None, None]
-        self.mu = (k * weight[:, None, :, None]).sum(2, keepdim=True) / wsum  # [B, H, 1, d]
-        centred = k - self.mu
-        masked_abs = centred.abs() * weight[:, None, :, None]
-        self.alpha = masked_abs.amax(2, keepdim=True).clamp(min=torch.finfo(work).tiny ** 0.5)
-        centroids = one_pass_centroids(centred, sign_codes(centred), None if key_mask is None else key_mask.bool())
-        del k, centred, masked_abs  # float32 copies of the prompt: not alive while `_append` makes its own
+        # one sequence at a time: the float32 work tensors of the statistics are several times the prompt's bytes
+        rotated = torch.empty_like(keys)
+        stats = []
+        for row in range(b):
+            rotated[row : row + 1] = self.rotate_keys(keys[row : row + 1])
+            stats.append(_prompt_statistics(rotated[row : row + 1], None if key_mask is None else key_mask[row : row + 1]))
+        keys = rotated
+        self.mu, self.alpha, centroids = (torch.cat(parts) for parts in zip(*stats, strict=True))
         # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
         self.centroids = centroids if work == torch.float64 else centroids.to(torch.float16)
         if sinks is not None:
@@ -207,15 +219,33 @@ class CompressedStore:
             exclude = exclude[..., :n]
             if key_mask is not None:
                 exclude = exclude | ~key_mask.bool()[:, None]
-        self._append(keys, values, prompt=True, exclude=exclude)
+        self.rows.make_room(n)  # one allocation for every part
+        if self.channel_axis:
+            self.k_blocks.make_room((n + self.k_pad) // self.k_group)
+        for start, end in self._prompt_slices(n):  # bounded work tensors, as `append`'s
+            part = slice(start, end)
+            self._append(keys[:, :, part], values[:, :, part], prompt=True,
+                         exclude=None if exclude is None else exclude[..., part])  # fmt: skip
         self.decode_start = n
         self.tail_start = n
+
+    def _prompt_slices(self, n: int) -> list[tuple[int, int]]:
+        """The prompt's [start, end) parts of about APPEND_SLICE tokens that `prefill` compresses one at a time: on
+        the channel axis each part ends where a K block does (the first block is the one short by k_pad)."""
+        step = max(1, APPEND_SLICE // self.k_group) * self.k_group if self.channel_axis else APPEND_SLICE
+        pad = self.k_pad if self.channel_axis else 0
+        ends = [end for end in range(step - pad, n, step) if end > 0] + [n]
+        return list(zip([0, *ends[:-1]], ends, strict=True))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Decode tokens, or a later chunk of a prompt stored chunk by chunk (keys / values [B, Hkv, T, d] as the
         model gives them), with the prompt's statistics. A long chunk goes APPEND_SLICE tokens at a time (what
         appends of its parts write, exactly): its float32 work tensors, several times the chunk's own bytes, then
         stay small next to a cache that is nearly full by the prompt's last chunk."""
+        if keys.shape[2] > APPEND_SLICE:
+            self.rows.make_room(keys.shape[2])
+            if self.channel_axis:
+                self.k_blocks.make_room((self.rows.length + keys.shape[2] - self.k_done) // self.k_group)
         for start in range(0, max(1, keys.shape[2]), APPEND_SLICE):
             part = slice(start, start + APPEND_SLICE)
             self._append(self.rotate_keys(keys[:, :, part]), values[:, :, part])
@@ -280,7 +310,7 @@ class CompressedStore:
             parts["k_mag"] = keys.new_zeros(b, h, t, d * self.k_bits // 8, dtype=torch.uint8)
         self.rows.append(**parts)
         if channel and prompt:
-            self._compress_k_blocks(centred, 0, exclude)
+            self._compress_k_blocks(centred, self.rows.length - keys.shape[2], exclude)
             self.k_done = self.rows.length
         elif channel:
             # the blocks completed by these tokens, from the 16-bit copies (the tail holds every token from
