@@ -31,15 +31,17 @@ def synthetic_fill(model, cache, batch: int, context: int, *, chunk: int = 8192,
     for idx, (layer, info, chunks) in enumerate(zip(cache.layers, cache.infos, fills)):
         window = None if layer.selector is None else layer.selector.prompt_query_window()
         for k, v in chunks:
+            length = k.shape[-2]
             keys, values = cache.update(k, v, idx)
+            del k, v  # what the cache keeps of them, it holds itself
             if layer.selector is not None:
                 # the chunk's last queries, as many as the selector reads (None: all): a model's prefill
                 # activations, which are not to decide how many sequences fit
-                queries_given = k.shape[-2] if window is None else min(k.shape[-2], max(window, 1))
+                queries_given = length if window is None else min(length, max(window, 1))
                 shape = (batch, info.num_heads, queries_given, info.head_dim)
                 q = torch.randn(shape, device=device, dtype=dtype, generator=queries)
                 layer.prompt_chunk_attended(keys, values, q, None, layer.length == context)
-            del k, v, keys, values
+            del keys, values
 
 
 def synthetic_kv(model, batch: int, context: int, *, chunk: int = 8192, seed: int = 0):
