@@ -88,8 +88,10 @@ def _prompt_statistics(keys: torch.Tensor, key_mask: torch.Tensor | None) -> tup
     wsum = weight.sum(-1).clamp(min=1)[:, None, None, None]
     mu = (k * weight[:, None, :, None]).sum(2, keepdim=True) / wsum
     centred = k - mu
-    alpha = (centred.abs() * weight[:, None, :, None]).amax(2, keepdim=True).clamp(min=torch.finfo(k.dtype).tiny ** 0.5)
-    return mu, alpha, one_pass_centroids(centred, sign_codes(centred), None if key_mask is None else key_mask.bool())
+    alpha = (centred.abs() * weight[:, None, :, None]).amax(2, keepdim=True)
+    alpha = alpha.clamp(min=torch.finfo(k.dtype).tiny ** 0.5)
+    mask = None if key_mask is None else key_mask.bool()
+    return mu, alpha, one_pass_centroids(centred, sign_codes(centred), mask)
 
 
 def _times(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
@@ -191,11 +193,13 @@ class CompressedStore:
             self.v_signs = signs if self.v_rotate else None
             self.k_signs = signs if self.k_rotate else None
         # one sequence at a time: the float32 work tensors of the statistics are several times the prompt's bytes
-        rotated = torch.empty_like(keys)
+        rotated = keys if self.k_signs is None else torch.empty_like(keys)
         stats = []
         for row in range(b):
-            rotated[row : row + 1] = self.rotate_keys(keys[row : row + 1])
-            stats.append(_prompt_statistics(rotated[row : row + 1], None if key_mask is None else key_mask[row : row + 1]))
+            part = slice(row, row + 1)
+            if self.k_signs is not None:
+                rotated[part] = self.rotate_keys(keys[part])
+            stats.append(_prompt_statistics(rotated[part], None if key_mask is None else key_mask[part]))
         keys = rotated
         self.mu, self.alpha, centroids = (torch.cat(parts) for parts in zip(*stats, strict=True))
         # stored at 16-bit (float64 runs keep float64 so that tests compare exactly)
@@ -234,7 +238,7 @@ class CompressedStore:
         the channel axis each part ends where a K block does (the first block is the one short by k_pad)."""
         step = max(1, APPEND_SLICE // self.k_group) * self.k_group if self.channel_axis else APPEND_SLICE
         pad = self.k_pad if self.channel_axis else 0
-        ends = [end for end in range(step - pad, n, step) if end > 0] + [n]
+        ends = [*range(step - pad, n, step), n]
         return list(zip([0, *ends[:-1]], ends, strict=True))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
