@@ -306,7 +306,9 @@ def throughput(
     output: Annotated[Path | None, typer.Option(help="write JSON here")] = None,
     plot: Annotated[Path | None, typer.Option(help="write a PNG of tokens/s vs batch here (matplotlib)")] = None,
 ) -> None:
-    """Largest batch under a GPU memory limit, per row (found by allocating), and model.generate() tokens/s there."""
+    """Largest batch under a GPU memory limit, per row (found by allocating), and model.generate() tokens/s there.
+
+    Run it with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, else fragmentation can decide the batch."""
     from sparsekv.bench.throughput import plot_throughput, run_throughput
     from sparsekv.eval.plots import require_plots
 
