@@ -193,3 +193,25 @@ def test_a_long_chunk_is_stored_in_slices_exactly(tiny, monkeypatch, slice_token
                 assert held.tensors[name].shape == got.tensors[name].shape, (buffers, name)
         for name in ("sink_positions", "sink_keys", "sink_values", "mu", "alpha", "centroids"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+@pytest.mark.parametrize("chunk", [CHUNK, None])
+def test_a_batch_is_summarised_a_few_sequences_at_a_time_exactly(tiny, monkeypatch, chunk):
+    """The prompt's statistics and SnapKV votes go through the batch in groups of sequences
+    (`scoring.sequence_groups`): one sequence a group stores what the whole batch at once does, left padding
+    included (float64: exact)."""
+    from sparsekv.selectors.self_index import scoring
+
+    ids, mask, _ = left_padded(tiny, (PROMPT, 60, 90), seed=21)
+    tokens, logits, cache = generate(tiny, config(), ids, mask, prefill_chunk_size=chunk)
+    monkeypatch.setattr(scoring, "GROUP_ELEMENTS", 1)
+    assert [(g.start, g.stop) for g in scoring.sequence_groups(3, 10)] == [(0, 1), (1, 2), (2, 3)]
+    grouped_tokens, grouped_logits, grouped = generate(tiny, config(), ids, mask, prefill_chunk_size=chunk)
+    assert torch.equal(tokens, grouped_tokens)
+    torch.testing.assert_close(grouped_logits, logits, rtol=0, atol=0)
+    for whole, parts in zip(cache.layers[1:], grouped.layers[1:], strict=True):
+        a, b = whole.selector.kv, parts.selector.kv
+        for name in ("sink_positions", "sink_rank", "mu", "alpha", "centroids"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        for name in a.rows.tensors:
+            assert torch.equal(a.rows.view(name), b.rows.view(name)), name

@@ -51,6 +51,17 @@ def lut_scores(
     return out
 
 
+#: float32 elements of one work tensor that a prompt's per-sequence computations make at once (128 MB)
+GROUP_ELEMENTS = 1 << 25
+
+
+def sequence_groups(batch: int, elements_per_sequence: int) -> list[slice]:
+    """Slices of a batch of `batch` sequences, each as many sequences as keep a work tensor of
+    `elements_per_sequence` elements a sequence within GROUP_ELEMENTS (at least one)."""
+    size = max(1, GROUP_ELEMENTS // max(1, elements_per_sequence))
+    return [slice(start, min(batch, start + size)) for start in range(0, batch, size)]
+
+
 def snap_sinks(
     keys: torch.Tensor, query: torch.Tensor, count: int, scaling: float, key_mask: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,16 +71,16 @@ def snap_sinks(
     Returns (positions [B, Hkv, count] int64 sorted ascending, unused slots = SENTINEL; rank [B, Hkv, count]
     int64, 0 = most attended, in the same order).
 
-    One sequence at a time: the float32 logits and the keys' float32 copy for every query head are several times
-    the prompt's own bytes, and a batch's would all be alive at once, next to the cache that the prompt fills."""
-    parts = [_snap_sinks_row(keys[row : row + 1], query[row : row + 1], count, scaling,
-                             None if key_mask is None else key_mask[row : row + 1])
-             for row in range(keys.shape[0])]  # fmt: skip
+    A few sequences at a time (`sequence_groups`): the float32 logits and the keys' float32 copy for every query
+    head are several times the prompt's own bytes, and a whole batch's would be alive at once, next to the cache
+    that the prompt fills."""
+    parts = [_snap_sinks_rows(keys[rows], query[rows], count, scaling, None if key_mask is None else key_mask[rows])
+             for rows in sequence_groups(keys.shape[0], query.shape[1] * keys.shape[2] * keys.shape[3])]  # fmt: skip
     positions, rank = zip(*parts, strict=True)
     return torch.cat(positions), torch.cat(rank)
 
 
-def _snap_sinks_row(
+def _snap_sinks_rows(
     keys: torch.Tensor, query: torch.Tensor, count: int, scaling: float, key_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     b, hkv, n, _ = keys.shape

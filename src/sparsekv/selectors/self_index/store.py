@@ -35,6 +35,7 @@ from sparsekv.selectors.base import maybe_compiled, tensor_nbytes
 from sparsekv.selectors.self_index.buffers import RowBuffers
 from sparsekv.selectors.self_index.codes import one_pass_centroids, sign_codes
 from sparsekv.selectors.self_index.rotation import rotation_base, rotation_signs
+from sparsekv.selectors.self_index.scoring import sequence_groups
 
 QUANT_GROUP = (
     32  # preferred channels per K scale (k_axis="token") / tokens per K scale row (k_axis="channel")
@@ -192,11 +193,10 @@ class CompressedStore:
             self.rot_base = rotation_base(d, work, keys.device)
             self.v_signs = signs if self.v_rotate else None
             self.k_signs = signs if self.k_rotate else None
-        # one sequence at a time: the float32 work tensors of the statistics are several times the prompt's bytes
+        # a few sequences at a time: the float32 work tensors of the statistics are several times the prompt's bytes
         rotated = keys if self.k_signs is None else torch.empty_like(keys)
         stats = []
-        for row in range(b):
-            part = slice(row, row + 1)
+        for part in sequence_groups(b, keys[0].numel()):
             if self.k_signs is not None:
                 rotated[part] = self.rotate_keys(keys[part])
             stats.append(_prompt_statistics(rotated[part], None if key_mask is None else key_mask[part]))
