@@ -24,12 +24,10 @@ class RowBuffers:
         needed = self.length + count
         for name, value in new.items():
             buf = self.tensors.get(name)
-            if buf is None or buf.shape[2] < needed:
-                capacity = max(needed, self.reserve) if buf is None else max(needed + self.step, self.reserve)
-                grown = value.new_empty(*value.shape[:2], capacity, *value.shape[3:])
-                if buf is not None:
-                    grown[:, :, : self.length] = buf[:, :, : self.length]
-                self.tensors[name] = grown
+            if buf is None:
+                self.tensors[name] = value.new_empty(*value.shape[:2], max(needed, self.reserve), *value.shape[3:])
+            elif buf.shape[2] < needed:
+                self._grow(name, needed)
             self.tensors[name][:, :, self.length : needed] = value
         self.length = needed
 
@@ -42,9 +40,14 @@ class RowBuffers:
             return
         for name, buf in self.tensors.items():
             if buf.shape[2] < needed:
-                grown = buf.new_empty(*buf.shape[:2], max(needed + self.step, self.reserve), *buf.shape[3:])
-                grown[:, :, : self.length] = buf[:, :, : self.length]
-                self.tensors[name] = grown
+                self._grow(name, needed)
+
+    def _grow(self, name: str, needed: int) -> None:
+        """Tensor `name` copied into one of room for `needed` rows and a step more (or the reserve)."""
+        buf = self.tensors[name]
+        grown = buf.new_empty(*buf.shape[:2], max(needed + self.step, self.reserve), *buf.shape[3:])
+        grown[:, :, : self.length] = buf[:, :, : self.length]
+        self.tensors[name] = grown
 
     @property
     def view_length(self) -> int:
