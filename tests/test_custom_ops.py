@@ -241,6 +241,20 @@ def _compressed_attention():
     ]
 
 
+def _scored_attention():
+    gen = _gen(9)
+    scores = torch.randn(2, 2, 3, 3, 13, generator=gen)  # [B, H, G, Q, C]: 13 candidates a row
+    pick = torch.stack([torch.randperm(13, generator=gen)[:6] for _ in range(12)]).view(2, 2, 3, 6)
+    indices = torch.randint(0, 37, (2, 2, 3, 6), generator=gen)
+    valid = torch.rand(2, 2, 3, 6, generator=gen) > 0.3
+    valid[..., 0] = True
+    tail_from = torch.tensor([17, 18, 37])
+    return [
+        (scores, pick, indices, valid, 0.15, tf32, tail_from, dtype, *_compressed_kv_fields(gen, channel))
+        for channel, tf32, dtype in ((False, False, torch.float32), (True, True, torch.bfloat16))
+    ]
+
+
 def _write_slots():
     gen = _gen(8)
     samples = []
@@ -269,6 +283,7 @@ SAMPLES = {
     "select_within": _select_within,
     "compressed_key_scores": _compressed_key_scores,
     "compressed_attention": _compressed_attention,
+    "scored_attention": _scored_attention,
     "write_slots": _write_slots,
 }
 

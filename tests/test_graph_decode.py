@@ -155,14 +155,17 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     """What a CUDA fixed-shape self-index step runs, here through the ops' references: the fused first stage
     keeping each row's own 3 x budget candidates in the select (a budget that stays the same over the run, 48
     tokens: every pick, no mask; 5%: each row's own count), the re-rank, and the stats counted on the host when
-    the steps end, without kernels in the steps. The eager path's tokens and stats."""
+    the steps end, without kernels in the steps; the attention over the picks takes their logits from the
+    re-rank's scores. The eager path's tokens and stats."""
     from sparsekv.selectors.self_index import device, selector
     from sparsekv.step import DecodeStep
 
-    counted, tails = [], []
+    counted, tails, scored = [], [], []
     monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
     tail_from = device._tail_from
     monkeypatch.setattr(device, "_tail_from", lambda kv, step, dev: tails.append(step.hints) or tail_from(kv, step, dev))
+    attend_scored = device.attend_scored
+    monkeypatch.setattr(device, "attend_scored", lambda *args: scored.append(args[1].hints) or attend_scored(*args))
     # as on a device: a step's k_max is the host bound (the capacity's budget), not the largest budget read back
     monkeypatch.setattr(DecodeStep, "max_budget",
                         lambda self: self.hints.max_budget if self.hints is not None else int(self.budgets.max()))  # fmt: skip
@@ -172,9 +175,33 @@ def test_self_index_fixed_step_on_the_device_path_equals_eager(real_model, promp
     config = SparseConfig(method="self-index", budget=budget, local=4, dense_below=0)
     device_adds = _device_path_equals_eager(real_model[0], prompt, config, monkeypatch)
     assert counted and all(c == (budget != 48) for c in counted) and not device_adds
+    assert len(scored) == len(counted)  # every fused selection attended through its scores
     # the re-rank and the attention of a fixed-shape step's layers read one shared tail start
     fixed_steps = [h for h in tails if h is not None and h.fixed]
     assert fixed_steps and all(len([k for k in h.shared if k[0] == "self-index tail from"]) == 1 for h in fixed_steps)
+
+
+def test_self_index_fused_step_of_a_bfloat16_model_attends_in_its_dtype(monkeypatch):
+    """A 16-bit model's fused self-index step: the attention from the re-rank's scores returns the model's dtype
+    (its output goes on to the model's bfloat16 projection), and every fixed-shape step takes it."""
+    from sparsekv.selectors.self_index import device, selector
+
+    scored = []
+    monkeypatch.setattr(selector, "_fused_rule", lambda query: True)
+    attend_scored = device.attend_scored
+    monkeypatch.setattr(device, "attend_scored", lambda *args: _record(scored, attend_scored(*args)))
+    model = random_model("tiny-llama", dtype=torch.bfloat16, num_hidden_layers=3)
+    ids = torch.randint(3, model.config.vocab_size, (2, 90), generator=torch.Generator().manual_seed(0))
+    config = SparseConfig(method="self-index", budget=0.2, dense_below=0, options={"residual": 8, "k_group": 4})
+    with sparsekv.enabled(model, config, graph_decode=True) as runtime:
+        model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        fixed = runtime.graph.steps.get("fixed-shape")
+    assert fixed and scored == [torch.bfloat16] * fixed  # layer 2, the one that selects
+
+
+def _record(seen: list, out: torch.Tensor) -> torch.Tensor:
+    seen.append(out.dtype)
+    return out
 
 
 def test_padded_batches_and_methods_without_a_fixed_step_decode_eagerly(real_model):
@@ -253,7 +280,7 @@ def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch, rule):
     assert torch.equal(out[:, ids.shape[1] :], eager)
     from sparsekv.selectors.base import COMPILED
 
-    pieces = {"_fixed_candidates", "_fixed_rerank"} if rule == "device" else {"_first_stage_inputs", "_rerank_scores"}
+    pieces = {"_fixed_candidates", "_fixed_rerank"} if rule == "device" else {"_first_stage_inputs", "_second_stage"}
     # the rotations of the step's query, key, value and output too (multiply-sums fused by inductor, `store._times`)
     assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", "rotate_keys", "_output_rows",
                                                 *pieces}  # fmt: skip

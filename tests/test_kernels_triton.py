@@ -948,10 +948,14 @@ def _compressed_kv(gen, b, h, n, d, k_bits, channel_axis, midrise, zero, sinks, 
      (4, True, True, False, True, False, 64), (3, True, True, False, False, True, 48)],
 )  # fmt: skip
 def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail, d):
-    """Dequant-on-gather re-rank scores and attention == the torch references (awkward sizes, every layout;
-    d = 48 takes the per-element loads, powers of two the whole-byte loads)."""
+    """Dequant-on-gather re-rank scores, attention, and attention from the re-rank's scores == the torch references
+    (awkward sizes, every layout; d = 48 takes the per-element loads, powers of two the whole-byte loads)."""
     from sparsekv.kernels import _compressed_kv_triton as ck
-    from sparsekv.kernels.compressed_kv import compressed_attention_reference, compressed_key_scores_reference
+    from sparsekv.kernels.compressed_kv import (
+        compressed_attention_reference,
+        compressed_key_scores_reference,
+        scored_attention_reference,
+    )
 
     gen = torch.Generator().manual_seed(k_bits * 10 + channel_axis)
     b, h, g, n, q = 2, 2, 3, 301, 2
@@ -980,6 +984,19 @@ def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail,
     # a 16-bit model's precision (one TF32 pass) for its float32 rotated query: within bf16's rounding
     got = ck.compressed_attention_triton(query, kv, index, valid, 0.125, tail_from, tf32=True)
     torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-2, atol=1e-2)
+
+    # the same attention over a selection of the candidates `index`, its logits taken from their re-rank scores
+    scores = compressed_key_scores_reference(query.view(b, h, g, q, d), kv, index, tail_from)
+    pick = torch.stack([torch.randperm(45, generator=gen)[:21] for _ in range(b * h * q)]).view(b, h, q, 21).to(DEV)
+    chosen, valid = index.gather(-1, pick), valid[..., :21]
+    got = ck.scored_attention_triton(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.float32)
+    ref = scored_attention_reference(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.float32)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=tol, atol=tol)
+    direct = compressed_attention_reference(query, kv, chosen, valid, 0.125, tail_from)
+    torch.testing.assert_close(ref.cpu(), direct.cpu(), rtol=1e-5, atol=1e-5)
+    got = ck.scored_attention_triton(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.bfloat16, tf32=True)
+    assert got.dtype == torch.bfloat16  # the model's dtype, as its query
+    torch.testing.assert_close(got.cpu().float(), ref.cpu(), rtol=1e-2, atol=1e-2)
 
 
 @here
@@ -1059,7 +1076,7 @@ def _assert_same(name, got, want):
 @pytest.mark.parametrize("name", ["sparse_attention", "hamming_scores", "hamming_topk", "hamming_topk_fixed",
                                   "select_topk", "top_p_threshold", "sign_hash", "sign_hash_pair", "int4_qk",
                                   "quest_page_scores", "lut_scores", "lut_topk_fixed", "select_within",
-                                  "compressed_key_scores", "compressed_attention",
+                                  "compressed_key_scores", "compressed_attention", "scored_attention",
                                   "write_slots"])  # fmt: skip
 def test_cuda_implementation_of_every_op_equals_its_reference(name):
     """Each op's CUDA implementation — the Triton kernel behind its launch conditions, what a GPU runs — against

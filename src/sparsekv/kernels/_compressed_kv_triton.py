@@ -5,6 +5,8 @@ so only the selected tokens' bytes are read and nothing of the whole cache is ma
 * `compressed_key_scores_triton`: q . (K - mu) for candidate rows (the re-rank), one kv-head query per row.
 * `compressed_attention_triton`: split-K attention over the selected rows (GQA group shares each gathered row),
   sinks and the query's newest tokens read from their 16-bit copies; merged by the split-K combine kernel.
+* `scored_attention_triton`: the same attention with the logits taken from the re-rank's scores of the selected
+  candidates: V alone is gathered and dequantized.
 """
 
 from __future__ import annotations
@@ -381,11 +383,7 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from, t
         valid = valid.view(torch.uint8)
     block = ATTN_TUNE["block"]
     rows = b * h * q
-    sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-    wanted = max(triton.cdiv(kk, ATTN_TUNE["split_keys"]), triton.cdiv(ATTN_TUNE["min_programs_per_sm"] * sms, rows))
-    splits = max(1, min(wanted, triton.cdiv(kk, block)))
-    split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
-    splits = max(1, triton.cdiv(kk, split_len))
+    splits, split_len = _splits(kk, rows, query.device)
     o_part = torch.empty(b * hq * q, splits, d, dtype=torch.float32, device=query.device)
     lse = torch.empty(b * hq * q, splits, dtype=torch.float32, device=query.device)
     zero = kv.k_zero if kv.k_zero is not None else kv.k_scale
@@ -406,6 +404,101 @@ def compressed_attention_triton(query, kv, indices, valid, scaling, tail_from, t
     )  # fmt: skip
     out = torch.empty(b, hq, q, d, dtype=query.dtype, device=query.device)
     _combine_kernel[check_grid("compressed_attention", query.shape, (b * hq * q,))](
+        o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits)
+    )
+    return out
+
+
+@triton.jit
+def _scored_attention_kernel(
+    s_ptr, pick_ptr, idx_ptr, valid_ptr, tail_from_ptr, o_ptr, lse_ptr, v_ptr, vs_ptr, vz_ptr,
+    sinkpos_ptr, sinkv_ptr, tailv_ptr,
+    H, Q, K, HQ, split_len, num_splits, qk_scale, num_sinks, tail_first, tail_len,
+    ssb, ssh, ssg, ssq, spb, sph, spq, sib, sih, siq, svlb, svlh, svlq,
+    s_v_b, s_v_h, s_v, s_vs_b, s_vs_h, s_vs, s_sp_b, s_sp_h, s_sk_b, s_sk_h, s_sk, s_tk_b, s_tk_h, s_tk,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, VBITS: tl.constexpr,
+    VGROUP: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`_attention_kernel` with the logits read from the re-rank's scores (scores[g, pick[j]]) instead of computed
+    from dequantized keys: only V is gathered."""
+    sp, r = chunk_and_row()
+    qi = r % Q
+    h = (r // Q) % H
+    b = r // (Q * H)
+    b64, h64, q64 = b.to(tl.int64), h.to(tl.int64), qi.to(tl.int64)
+    heads = tl.arange(0, GP)
+    hmask = heads < G
+    c = tl.arange(0, DP)
+    cmask = c < D
+    s_base = s_ptr + b64 * ssb + h64 * ssh + q64 * ssq + heads[:, None].to(tl.int64) * ssg
+    p_base = pick_ptr + b64 * spb + h64 * sph + q64 * spq
+    i_base = idx_ptr + b64 * sib + h64 * sih + q64 * siq
+    vl_base = valid_ptr + b64 * svlb + h64 * svlh + q64 * svlq
+    v_base = v_ptr + b64 * s_v_b + h64 * s_v_h
+    vs_base = vs_ptr + b64 * s_vs_b + h64 * s_vs_h
+    vz_base = vz_ptr + b64 * s_vs_b + h64 * s_vs_h
+    sink_v, tail_v = sinkv_ptr + b64 * s_sk_b + h64 * s_sk_h, tailv_ptr + b64 * s_tk_b + h64 * s_tk_h
+    slots = tl.arange(0, SP)
+    sink_pos = tl.load(sinkpos_ptr + b64 * s_sp_b + h64 * s_sp_h + slots, mask=slots < num_sinks, other=-1)
+    tail_from = tl.load(tail_from_ptr + qi)
+    m_i = tl.full([GP], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, DP], dtype=tl.float32)
+    start = sp * split_len
+    end = tl.minimum(start + split_len, K)
+    for j in range(start, end, BLOCK):
+        offs = j + tl.arange(0, BLOCK)
+        jm = offs < end
+        ok = jm & (tl.load(vl_base + offs, mask=jm, other=0) != 0)
+        idx = tl.load(i_base + offs, mask=jm, other=0).to(tl.int64)
+        cand = tl.load(p_base + offs, mask=jm, other=0).to(tl.int64)
+        sc = tl.load(s_base + cand[None, :], mask=hmask[:, None] & ok[None, :], other=0.0) * qk_scale
+        sc = tl.where(hmask[:, None] & ok[None, :], sc, float("-inf"))  # [GP, BLOCK], log2 domain
+        values = _values_any(v_base, vs_base, vz_base, idx, ok, c, cmask, s_v, s_vs, D, DP, VBITS, VGROUP, BLOCK)
+        sink, tail = _copy_rows(idx, sink_pos, slots, tail_from, tail_first, tail_len, HAS_SINKS, HAS_TAIL)
+        values = _override(values, ok[:, None] & cmask[None, :], c, sink, tail, sink_v, s_sk, tail_v, s_tk,
+                           HAS_SINKS, HAS_TAIL)  # fmt: skip
+        m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
+        acc = acc * corr[:, None] + tl.dot(p, values, input_precision=PRECISION)
+    row = (b64 * HQ + h * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
+    store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, c, D, hmask, cmask)
+
+
+def _splits(kk: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """(splits, tokens per split) of a split-K launch over `rows` rows of kk listed tokens (`ATTN_TUNE`)."""
+    block = ATTN_TUNE["block"]
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    wanted = max(triton.cdiv(kk, ATTN_TUNE["split_keys"]), triton.cdiv(ATTN_TUNE["min_programs_per_sm"] * sms, rows))
+    splits = max(1, min(wanted, triton.cdiv(kk, block)))
+    split_len = triton.cdiv(triton.cdiv(kk, splits), block) * block
+    return max(1, triton.cdiv(kk, split_len)), split_len
+
+
+def scored_attention_triton(scores, pick, kv, indices, valid, scaling, tail_from, dtype, tf32=False):
+    _check_rows(kv)
+    b, h, g, q, _ = scores.shape
+    d, kk = kv.head_dim, indices.shape[3]
+    if valid.dtype == torch.bool:
+        valid = valid.view(torch.uint8)
+    rows = b * h * q
+    splits, split_len = _splits(kk, rows, scores.device)
+    o_part = torch.empty(b * h * g * q, splits, d, dtype=torch.float32, device=scores.device)
+    lse = torch.empty(b * h * g * q, splits, dtype=torch.float32, device=scores.device)
+    cp = _copies(kv, scores, tail_from)
+    _scored_attention_kernel[row_grid("scored_attention", scores.shape, splits, rows)](
+        scores, pick, indices, valid, cp["tail_from"], o_part, lse, kv.v, kv.v_scale, kv.v_zero,
+        cp["sinkpos"], cp["sink_v"], cp["tail_v"],
+        h, q, kk, h * g, split_len, splits, scaling * 1.4426950408889634, cp["num_sinks"], kv.tail_first,
+        cp["tail_len"], scores.stride(0), scores.stride(1), scores.stride(2), scores.stride(3), *pick.stride()[:3],
+        *indices.stride()[:3], *valid.stride()[:3], *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
+        *cp["sinkpos"].stride()[:2], *cp["sink_v"].stride()[:3], *cp["tail_v"].stride()[:3],
+        G=g, GP=max(16, next_pow2(g)), D=d, DP=next_pow2(d), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
+        BLOCK=ATTN_TUNE["block"], PRECISION=_precision(torch.float32, tf32), num_warps=ATTN_TUNE["num_warps"],
+        SP=cp["meta"]["SP"], HAS_SINKS=cp["meta"]["HAS_SINKS"], HAS_TAIL=cp["meta"]["HAS_TAIL"],
+    )  # fmt: skip
+    out = torch.empty(b, h * g, q, d, dtype=dtype, device=scores.device)
+    _combine_kernel[check_grid("scored_attention", scores.shape, (b * h * g * q,))](
         o_part, lse, out, splits, D=d, DP=next_pow2(d), SP=next_pow2(splits)
     )
     return out

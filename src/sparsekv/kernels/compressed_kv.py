@@ -1,5 +1,6 @@
 """Decode ops over the self-index compressed cache that read only the tokens they need: q . K of candidate rows
-(the re-rank) and attention over the selected rows, both dequantizing K/V on the fly from the stored bits.
+(the re-rank), attention over the selected rows, both dequantizing K/V on the fly from the stored bits, and
+attention over selected candidates whose q . K the re-rank already computed (V only).
 
 The layout is `SelfIndexSelector`'s (see `compressed_format.dequantize_keys` / `dequantize` for the exact
 formulas); the references here gather and dequantize with those torch functions (`dequantized_rows`, the one
@@ -96,9 +97,14 @@ def dequantized_rows(
     read of the compressed cache: both ops' references and a prompt's later chunks read through it."""
     keys = _with_copies(centred_keys_reference(kv, index) + kv.mu[:, :, None], kv, index, tail_from,
                         "sink_keys", "tail_keys")  # fmt: skip
+    return keys, dequantized_values(kv, index, tail_from)
+
+
+def dequantized_values(kv: CompressedKV, index: torch.Tensor, tail_from: torch.Tensor) -> torch.Tensor:
+    """The V half of `dequantized_rows`: V [B, H, Q, K, d] of the rows `index`, in mu's dtype."""
     values = dequantize(_gather(kv.v, index), _gather(kv.v_scale, index), _gather(kv.v_zero, index), kv.v_bits,
                         kv.mu.dtype)  # fmt: skip
-    return keys, _with_copies(values, kv, index, tail_from, "sink_values", "tail_values")
+    return _with_copies(values, kv, index, tail_from, "sink_values", "tail_values")
 
 
 def compressed_key_scores_reference(
@@ -190,10 +196,17 @@ def compressed_attention_reference(
     h = indices.shape[1]
     keys, values = dequantized_rows(kv, indices, tail_from)
     qh = query.to(keys.dtype).view(b, h, hq // h, q, d)
-    logits = torch.einsum("bhgqd,bhqkd->bhgqk", qh, keys) * scaling
-    logits = logits.masked_fill(~valid[:, :, None], float("-inf"))
+    logits = torch.einsum("bhgqd,bhqkd->bhgqk", qh, keys)
+    return _softmax_rows(logits, values, valid, scaling).to(query.dtype)
+
+
+def _softmax_rows(logits: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, scaling: float) -> torch.Tensor:
+    """softmax(logits x scaling) over each row's valid entries, times its rows of V: logits [B, H, G, Q, K],
+    values [B, H, Q, K, d], valid [B, H, Q, K] -> [B, H x G, Q, d]."""
+    logits = (logits.to(values.dtype) * scaling).masked_fill(~valid[:, :, None], float("-inf"))
     out = torch.einsum("bhgqk,bhqkd->bhgqd", torch.softmax(logits, dim=-1), values)
-    return out.reshape(b, hq, q, d).to(query.dtype)
+    b, h, g, q, d = out.shape
+    return out.reshape(b, h * g, q, d)
 
 
 def compressed_attention(
@@ -240,3 +253,73 @@ def _compressed_attention_cuda(query, indices, valid, scaling, tf32, tail_from, 
 @_compressed_attention_op.register_fake
 def _compressed_attention_fake(query, indices, valid, scaling, tf32, tail_from, *kv_fields):
     return torch.empty_like(query)
+
+
+def scored_attention_reference(
+    scores: torch.Tensor,
+    pick: torch.Tensor,
+    kv: CompressedKV,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    tail_from: torch.Tensor,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Attention over selected candidates whose logits are already known: scores [B, H, G, Q, C] float32 =
+    q . (K - mu) of each row's C candidates for the G query heads of its group (`compressed_key_scores`), pick
+    [B, H, Q, K] = each selected entry's candidate (into C), indices [B, H, Q, K] = its cache position (V is read
+    there), valid [B, H, Q, K]. Returns [B, H x G, Q, d] in `dtype` (the query's), computed in mu's dtype:
+    `compressed_attention`'s output for the query that made the scores (softmax ignores the q . mu that the scores
+    leave out), with no key read."""
+    b, h, g, q, _ = scores.shape
+    logits = scores.gather(-1, pick[:, :, None].expand(b, h, g, q, pick.shape[-1]))
+    values = dequantized_values(kv, indices, tail_from)
+    return _softmax_rows(logits, values, valid, scaling).to(dtype)
+
+
+def scored_attention(
+    scores: torch.Tensor,
+    pick: torch.Tensor,
+    kv: CompressedKV,
+    indices: torch.Tensor,
+    valid: torch.Tensor,
+    scaling: float,
+    tail_from: torch.Tensor,
+    dtype: torch.dtype,
+    tf32: bool = False,
+) -> torch.Tensor:
+    """The op `sparsekv::scored_attention` (see the reference for shapes): a split-K Triton kernel on CUDA that
+    reads only V (the re-rank's scores stand in for q . K), the reference elsewhere. tf32: the weights x V dots in
+    one TF32 pass (a 16-bit model's precision; see `compressed_attention`)."""
+    return _scored_attention_op(scores, pick, indices, valid, float(scaling), bool(tf32), tail_from, dtype,
+                                *_fields_of(kv))  # fmt: skip
+
+
+@torch.library.custom_op(
+    "sparsekv::scored_attention", mutates_args=(),
+    schema="(Tensor scores, Tensor pick, Tensor indices, Tensor valid, float scaling, bool tf32, Tensor tail_from, "
+    f"ScalarType dtype, {_KV_SCHEMA}) -> Tensor",
+)  # fmt: skip
+def _scored_attention_op(scores, pick, indices, valid, scaling, tf32, tail_from, dtype, *kv_fields):
+    """CPU (and any device without its own kernel): the reference."""
+    kv = CompressedKV(*kv_fields)
+    return scored_attention_reference(scores, pick, kv, indices, valid, scaling, tail_from, dtype)
+
+
+@_scored_attention_op.register_kernel("cuda")
+def _scored_attention_cuda(scores, pick, indices, valid, scaling, tf32, tail_from, dtype, *kv_fields):
+    from sparsekv.kernels._triton import kernel, use_triton
+
+    kv = CompressedKV(*kv_fields)
+    if (use_triton(scores, kv.v, indices) and indices.shape[-1] > 0 and kv.head_dim <= 256
+            and scores.dtype == torch.float32):  # fmt: skip
+        impl = kernel("_compressed_kv_triton", "scored_attention_triton")
+        if impl is not None:
+            return impl(scores, pick, kv, indices, valid, scaling, tail_from, dtype, tf32=tf32)
+    return scored_attention_reference(scores, pick, kv, indices, valid, scaling, tail_from, dtype)
+
+
+@_scored_attention_op.register_fake
+def _scored_attention_fake(scores, pick, indices, valid, scaling, tf32, tail_from, dtype, *kv_fields):
+    b, h, g, q, _ = scores.shape
+    return scores.new_empty(b, h * g, q, CompressedKV(*kv_fields).head_dim, dtype=dtype)

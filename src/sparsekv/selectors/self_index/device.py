@@ -1,5 +1,6 @@
 """The self-index decode step's reads of the compressed cache, through the ops of `kernels.compressed_kv`: the
-re-rank's q . K over candidate rows and the attention over the selected rows read only the listed tokens' bytes
+re-rank's q . K over candidate rows and the attention over the selected rows (or, after a re-rank, over the
+picked candidates with their re-rank scores as logits: V alone) read only the listed tokens' bytes
 (the Triton kernels on CUDA, the ops' references elsewhere: `compressed_kv.dequantized_rows`, the one definition
 of such a read)."""
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparsekv.kernels.compressed_kv import compressed_attention, compressed_key_scores
+from sparsekv.kernels.compressed_kv import compressed_attention, compressed_key_scores, scored_attention
 from sparsekv.kernels.lut_score import group_query
 
 if TYPE_CHECKING:
@@ -81,5 +82,20 @@ def attend(
     tf32 = model_dtype != torch.float32
     parts = [compressed_attention(step.query[:, :, part], view, indices[:, :, part], selection.valid[:, :, part],
                                   scaling, tail_from[part], tf32=tf32)
+             for part in _query_slices(step.query, indices)]  # fmt: skip
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def attend_scored(
+    kv: CompressedStore, step: DecodeStep, selection: Selection, scores: torch.Tensor, pick: torch.Tensor,
+    scaling: float, model_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`attend` for a selection of re-ranked candidates: each selected entry's logits are its re-rank scores
+    (`candidate_scores` per head [B, Hkv, G, Q, C]; pick [B, Hkv, Q, K] = its candidate), so only V is read."""
+    view, indices = kv.kernel_view(), selection.indices
+    tail_from = _tail_from(kv, step, step.query.device)
+    tf32 = model_dtype != torch.float32
+    parts = [scored_attention(scores[:, :, :, part], pick[:, :, part], view, indices[:, :, part],
+                              selection.valid[:, :, part], scaling, tail_from[part], step.query.dtype, tf32=tf32)
              for part in _query_slices(step.query, indices)]  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

@@ -224,6 +224,8 @@ class SelfIndexSelector(TokenSelector):
         self._sink_pool: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # (query, query R) of the last step
         self._rotated_for: tuple[torch.Tensor, torch.Tensor] | None = None
+        #: the last fused selection's (indices, per-head re-rank scores [B, Hkv, G, Q, C], picks into them)
+        self._scored: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def compressed(self) -> bool:
@@ -484,7 +486,11 @@ class SelfIndexSelector(TokenSelector):
 
         Where the picks are all held keys (`StepHints.picks_held`), the select itself keeps each row's own
         rescore x budget (a device count per row), and each row keeps exactly its budget: the stats are counted
-        on the host (`Selection.exact_budgets`)."""
+        on the host (`Selection.exact_budgets`).
+
+        With the "softmax" group rule the re-rank's per-head q . K of the picks are their attention logits too:
+        `attend` reads them (`device.attend_scored`, V alone) instead of the keys again. H200, 128K x B4 (kernel
+        graph replays): 51.9 us against 69.9 us for the attention that reads K and V."""
         hints = step.hints
         sign_bits = self.kv.rows.view("sign_bits")
         b, hkv = sign_bits.shape[:2]
@@ -507,10 +513,15 @@ class SelfIndexSelector(TokenSelector):
             if self.rescore == 0:
                 return Selection(indices=picked.gather(-1, pick), valid=keep)
             picked, ranks = picked.gather(-1, pick), ranks.gather(-1, pick)
-        fine = self._candidate_scores(step, picked, summed, ranked=keep)
-        second = maybe_compiled(_rerank_scores, self.compiled_step)(ranks, fine, keep)
+        per_head = self._ranks_per_head(step)
+        scores = self._key_scores(step, picked, summed, per_head)
+        group_scaling = step.layer.scaling if per_head else None
+        second = maybe_compiled(_second_stage, self.compiled_step)(ranks, scores, keep, group_scaling)
         pick, valid = select_within(second, budgets, k_max)
-        return Selection(indices=picked.gather(-1, pick), valid=valid, exact_budgets=held)
+        selection = Selection(indices=picked.gather(-1, pick), valid=valid, exact_budgets=held)
+        if per_head and self.compressed:  # `attend` takes the picks' logits from the scores: no key read again
+            self._scored = (selection.indices, scores, pick)
+        return selection
 
     def _forced_sinks(self, step: DecodeStep) -> torch.Tensor | None:
         """[B, Hkv, S] positions of the sinks that this step's rows force, best SnapKV rank first (`boost_sinks`:
@@ -556,18 +567,16 @@ class SelfIndexSelector(TokenSelector):
         gqa="group" the query is summed over the group (exact by linearity; `summed`: already summed, by
         `group_query`), or with `rescore_group="softmax"` each head's softmax over the row's `ranked` candidates
         [B, S, Q, C] is summed."""
-        layer = step.layer
         per_head = self._ranks_per_head(step)
+        scores = self._key_scores(step, index, summed, per_head)
+        return _group_rank(scores, step.layer.scaling if per_head else None, ranked)
+
+    def _key_scores(self, step: DecodeStep, index: torch.Tensor, summed: torch.Tensor | None,
+                    per_head: bool) -> torch.Tensor:  # fmt: skip
+        """q . (K - mu) of the candidates `index` as `_candidate_scores` ranks them, before the group's rule."""
         if self.compressed:
-            scores = device.candidate_scores(self.kv, step, index, summed, per_head)
-        else:  # kv_bits=16: the keys as stored
-            scores = self._full_key_scores(step, index, per_head)
-        if per_head:  # [B, S, G, Q, C] logits -> the group's summed attention over the row's candidates
-            logits = scores.float() * layer.scaling
-            if ranked is not None:
-                logits = logits.masked_fill(~ranked[:, :, None], float("-inf"))
-            return torch.nan_to_num(logits.softmax(-1), nan=0.0).sum(2)
-        return scores.float()
+            return device.candidate_scores(self.kv, step, index, summed, per_head)
+        return self._full_key_scores(step, index, per_head)  # kv_bits=16: the keys as stored
 
     def _full_key_scores(self, step: DecodeStep, index: torch.Tensor, per_head: bool) -> torch.Tensor:
         """q . (K - mu) of an uncompressed store's (kv_bits=16) rows `index` [B, S, Q, C] -> [B, S, Q, C] (with
@@ -595,6 +604,9 @@ class SelfIndexSelector(TokenSelector):
         kv = self.kv
         unrotate = functools.partial(maybe_compiled(_output_rows, self._compiles(step)), kv)
         if self.compressed:  # dequantizes only the selected tokens' bytes (in registers on the kernels)
+            scored, self._scored = self._scored, None
+            if scored is not None and scored[0] is selection.indices:  # this step's fused selection
+                return unrotate(device.attend_scored(kv, step, selection, scored[1], scored[2], scaling, model_dtype))
             return unrotate(device.attend(kv, step, selection, scaling, model_dtype))
         keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
         out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
@@ -623,6 +635,25 @@ def _first_stage_inputs(query: torch.Tensor, by_nibble: torch.Tensor) -> tuple[t
     integer LUT (`quantized_lut`) and the re-rank's group-summed query (`group_query`)."""
     table, _ = quantized_lut(query, by_nibble)
     return table, group_query(query, by_nibble.shape[1])
+
+
+def _group_rank(scores: torch.Tensor, scaling: float | None, ranked: torch.Tensor | None) -> torch.Tensor:
+    """The re-rank's score of each candidate: with `scaling` (`rescore_group="softmax"`), scores [B, S, G, Q, C]
+    are each query head's logits, and a candidate's score is the group's summed attention over the row's `ranked`
+    candidates [B, S, Q, C]; without, scores [B, S, Q, C] already rank them (the summed query's q . K)."""
+    if scaling is None:
+        return scores.float()
+    logits = scores.float() * scaling
+    if ranked is not None:
+        logits = logits.masked_fill(~ranked[:, :, None], float("-inf"))
+    return torch.nan_to_num(logits.softmax(-1), nan=0.0).sum(2)
+
+
+def _second_stage(ranks: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor | None,
+                  scaling: float | None) -> torch.Tensor:  # fmt: skip
+    """The fused step's second-stage scores from the re-rank's q . K (one compiled graph under `compile_step`):
+    `_group_rank`, then `_rerank_scores`."""
+    return _rerank_scores(ranks, _group_rank(scores, scaling, keep), keep)
 
 
 def _rerank_scores(ranks: torch.Tensor, fine: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
