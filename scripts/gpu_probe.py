@@ -6,7 +6,8 @@ variant's output against the default's or a reference). Sections (comma-separate
   rows per program (`_sign_hash_triton`).
 - pair: a decode step's query + new-key hash as one `sign_hash_pair` launch against two launches and a copy,
   with and without the early weight loads.
-- selfindex: the self-index decode kernels (LUT scores, re-rank q.K, dequantizing attention) over their tile /
+- selfindex: the self-index decode kernels (LUT scores, re-rank q.K, dequantizing attention, the attention from the
+  re-rank's logits, the compiled second stage) over their tile /
   warp / precision options (BENCHMARKS.md, self-index decode kernels).
 - sweep, scoregrid: the Hamming scorer + selection launch grid (scorer tile, prefetch depth, GQA head adders,
   programs per SM, selection tile and warps; `_hamming_triton.TUNE`, `_topk_triton.SELECT_TUNE`).
@@ -198,6 +199,28 @@ def self_index_probe():
                              "tail_keys": None, "tail_values": None}) for kv in kvs]  # fmt: skip
     report("attention default, no sinks / tail copies",
            lambda i: ckv.compressed_attention_triton(q, plain[i], sel[i], valid, D**-0.5, tail_from))  # fmt: skip
+    # the default "softmax" group rule: the re-rank's per-head q . K, its compiled second stage, and the attention over
+    # the picks from those logits (V alone) against the one that reads the picks' keys again
+    from sparsekv.selectors.self_index.selector import _second_stage
+
+    heads = qf.view(B, HKV, HQ // HKV, 1, D)
+    ordered = [c.sort(-1).values for c in cand]
+    report(f"re-rank q.K, the {HQ // HKV} heads of a group",
+           lambda i: ckv.compressed_key_scores_triton(heads, kvs[i], ordered[i], tail_from))  # fmt: skip
+    scores5 = [ckv.compressed_key_scores_triton(heads, kvs[i], ordered[i], tail_from) for i in range(2)]
+    ranks = [torch.randint(1, 30000, (B, HKV, 1, 3 * k), device=dev, dtype=torch.int16, generator=gen) for _ in range(2)]
+    compiled = torch.compile(_second_stage, dynamic=False)
+    report("second stage (group softmax, sum, ranks), eager",
+           lambda i: _second_stage(ranks[i], scores5[i], None, D**-0.5))  # fmt: skip
+    report("second stage, compiled", lambda i: compiled(ranks[i], scores5[i], None, D**-0.5))
+    pick = [torch.randperm(3 * k, device=dev, generator=gen)[:k].sort().values.expand(B, HKV, 1, k).contiguous()
+            for _ in range(2)]  # fmt: skip
+    chosen = [ordered[i].gather(-1, pick[i]) for i in range(2)]
+    report("attention over the picks, reading their keys (tf32)",
+           lambda i: ckv.compressed_attention_triton(qf, kvs[i], chosen[i], valid, D**-0.5, tail_from, tf32=True))  # fmt: skip
+    report("attention over the picks from the re-rank's logits (tf32)",
+           lambda i: ckv.scored_attention_triton(scores5[i], pick[i], kvs[i], chosen[i], valid, D**-0.5, tail_from,
+                                                 torch.bfloat16, tf32=True))  # fmt: skip
     from sparsekv.kernels._sparse_attention_triton import sparse_attention_triton
 
     kd = [torch.randn(B, HKV, N, D, device=dev, dtype=torch.bfloat16) for _ in range(2)]
