@@ -282,7 +282,7 @@ def test_self_index_compiled_fixed_shape_step_equals_eager(monkeypatch, rule):
 
     pieces = {"_fixed_candidates", "_fixed_rerank"} if rule == "device" else {"_first_stage_inputs", "_second_stage"}
     # the rotations of the step's query, key, value and output too (multiply-sums fused by inductor, `store._times`)
-    assert {fn.__name__ for fn in COMPILED} >= {"_encode_token", "_open_block", "rotate_keys", "_output_rows",
+    assert {fn.__name__ for fn in COMPILED} >= {"_write_token", "rotate_keys", "_output_rows",
                                                 *pieces}  # fmt: skip
     stats, eager_stats = compiled_cache.stats.summary(), eager_cache.stats.summary()
     assert stats["avg_budget_tokens"] == pytest.approx(eager_stats["avg_budget_tokens"])

@@ -411,16 +411,22 @@ class CompressedStore:
     ) -> None:
         """`append` of one token (keys / values [B, Hkv, 1, d] as the model gives them) at the device position
         [1]: the same rows as `append` writes, from device values only (a CUDA graph replays it). `compiled`:
-        the encoding runs through torch.compile (a few fused kernels instead of dozens of small ones)."""
+        the encoding and its writes run through torch.compile as one graph (a few fused kernels that store the rows
+        where they go, instead of dozens of small kernels and a copy launch per row tensor)."""
         self.fixed_position = position
         if compiled:
             check_compiled_device(keys.device)
-        rows, tail = maybe_compiled(CompressedStore._encode_token, compiled)(self, keys, values)
+        maybe_compiled(CompressedStore._write_token, compiled)(self, keys, values, position)
+
+    def _write_token(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor) -> None:
+        """`append_fixed`'s encoding and writes: the token's rows and tail copy at `position`, and the open K
+        block's codes and scales (k_axis="channel")."""
+        rows, tail = self._encode_token(keys, values)
         self.rows.write(position, **rows)
         if tail:
             self.tail.write(position - self.tail_start, **tail)
         if self.channel_axis:
-            slots, block_row, k_mag, k_scale = maybe_compiled(CompressedStore._open_block, compiled)(self, position)
+            slots, block_row, k_mag, k_scale = self._open_block(position)
             self.rows.write(slots, k_mag=k_mag)
             self.k_blocks.write(block_row, k_scale=k_scale)
 
