@@ -32,9 +32,13 @@ from sparsekv.kernels._triton import check_grid, interpreting, next_pow2, row_gr
 # for 32 x 4 warps and 4 programs per SM, and 76.0 / 139.1 us with 96 tokens a program (scripts/gpu_probe.py
 # selfindex, PROBE_BATCH=4 / 8)
 ATTN_TUNE = {"block": 16, "num_warps": 2, "precision": "auto", "split_keys": 80, "min_programs_per_sm": 2}
-# re-rank of 3 x 2% of 128K: 16 tokens a program with 2 warps took 77.6 us at B4 and 147.1 us at B8, against 90.2 /
-# 170.3 us with 32 tokens and 4 warps, and 110.5 / 208.6 us with 64 (scripts/gpu_probe.py selfindex)
+# re-rank of 3 x 2% of 128K: 16 tokens a program with 2 warps took 74.3 us at B4 and 467.1 us at B28, against 74.9 /
+# 461.6 us with 32 tokens and 2 warps, and 81-83 / 509-525 us with 1 or 4 warps or 8 tokens a program; before the
+# one-load copies, at B4: 90.2 / 110.5 us with 32 / 64 tokens and 4 warps against 77.6 (scripts/gpu_probe.py selfindex)
 KEYS_TUNE = {"block": 16, "num_warps": 2}
+# the scored attention: `ATTN_TUNE`'s tiles and splits, one warp a program (no K to dequantize: V's tile alone):
+# 40.1 / 241.7 us at 128K x B4 / B28 against 43.7 / 244.9 with 2 warps, 46.3 / 263.9 with 4
+SCORED_WARPS = 1
 
 
 @triton.jit
@@ -504,7 +508,7 @@ def scored_attention_triton(scores, pick, kv, indices, valid, scaling, tail_from
         *indices.stride()[:3], *valid.stride()[:3], *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
         *cp["sinkpos"].stride()[:2], *cp["sink_v"].stride()[:3], *cp["tail_v"].stride()[:3],
         G=g, GP=max(16, next_pow2(g)), D=d, DP=next_pow2(d), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
-        BLOCK=ATTN_TUNE["block"], PRECISION=_precision(torch.float32, tf32), num_warps=ATTN_TUNE["num_warps"],
+        BLOCK=ATTN_TUNE["block"], PRECISION=_precision(torch.float32, tf32), num_warps=SCORED_WARPS,
         SP=cp["meta"]["SP"], HAS_SINKS=cp["meta"]["HAS_SINKS"], HAS_TAIL=cp["meta"]["HAS_TAIL"],
     )  # fmt: skip
     out = torch.empty(b, h * g, q, d, dtype=dtype, device=scores.device)
