@@ -306,6 +306,30 @@ def test_run_e2e_refuses_a_model_larger_than_free_memory(monkeypatch):
     assert result["runs"]["method"]["tpot_ms"] > 0
 
 
+def test_bench_generate_checks_a_dense_cache_only_for_rows_that_keep_one(monkeypatch):
+    """A compressed cache's rows alone (self-index) are not refused for a dense cache they never hold; a run with
+    any row that keeps 16-bit K/V (HF, dense, the other methods, lossless) is."""
+    import torch
+
+    from sparsekv.bench import e2e_model
+    from sparsekv.bench.generate import keeps_dense_cache
+    from sparsekv.config import ConfigError
+
+    assert not keeps_dense_cache("self-index@compile") and not keeps_dense_cache("self-index:0.1")
+    for row in ("hf-dense", "hf-static-compile", "dense@compile", "spotlight", "quest@eager", "self-index@lossless",
+                "self-index@lossless-compile"):  # fmt: skip
+        assert keeps_dense_cache(row), row
+    # 2 layers of llama3-8b in float32: about 5.9 GB of weights (embeddings included); their 128K x B4 dense
+    # cache: 8.6 GB; 6 layers: about 9.4 GB of weights
+    monkeypatch.setattr(e2e_model, "_available_bytes", lambda device: 8 * 2**30)
+    shape = {"layers": 2, "dtype": torch.float32, "device": torch.device("cpu"), "batch": 4, "context": 131072}
+    with pytest.raises(ConfigError, match=r"needs about 5\.9 GB of weights and 8\.6 GB of dense KV cache"):
+        e2e_model.check_fits("llama3-8b-random", **shape)
+    e2e_model.check_fits("llama3-8b-random", **shape, dense_cache=False)  # the weights fit
+    with pytest.raises(ConfigError, match=r"needs about 9\.4 GB of weights, but cpu has 8\.6 GB free"):
+        e2e_model.check_fits("llama3-8b-random", **{**shape, "layers": 6}, dense_cache=False)
+
+
 @pytest.mark.parametrize("weights", ["random", "real"])
 def test_greedy_match_harness_cpu(weights):
     """The harness end to end (CPU against CPU); "real": the embedded model and text prompts."""

@@ -91,10 +91,12 @@ def tensor_parallel_model(name: str, *, layers: int | None, tp: int, dtype=torch
 
 
 def check_fits(name: str, *, layers: int | None, dtype: torch.dtype, device: torch.device, batch: int,
-               context: int, shards: int = 1) -> None:  # fmt: skip
+               context: int, shards: int = 1, dense_cache: bool = True) -> None:  # fmt: skip
     """Refuse, before allocating, a model whose weights and dense KV cache exceed the device's free memory: an 8B
     model in float32 on a laptop would otherwise end in the out-of-memory killer, not in an error message. Under
-    tensor parallelism each of the `shards` GPUs holds about 1/shards of both."""
+    tensor parallelism each of the `shards` GPUs holds about 1/shards of both. `dense_cache=False`: the run keeps
+    no dense KV cache (only a method's compressed one, whose size the method decides), so the weights alone are
+    checked."""
     available = _available_bytes(device)
     if available is None:
         return
@@ -104,12 +106,13 @@ def check_fits(name: str, *, layers: int | None, dtype: torch.dtype, device: tor
     weights = sum(p.numel() for p in meta.parameters()) * size
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     cache = 2 * cfg.num_hidden_layers * batch * context * cfg.num_key_value_heads * head_dim * size
-    weights, cache = weights / shards, cache / shards
+    weights, cache = weights / shards, cache / shards if dense_cache else 0
     if weights + cache > available:
+        needs = (f" and {cache / 1e9:.1f} GB of dense KV cache ({str(dtype).replace('torch.', '')}) for context "
+                 f"{context} x batch {batch}" if dense_cache else "")  # fmt: skip
         raise ConfigError(
-            f"{name} with {cfg.num_hidden_layers} layers needs about {weights / 1e9:.1f} GB of weights and "
-            f"{cache / 1e9:.1f} GB of dense KV cache ({str(dtype).replace('torch.', '')}) for context {context} x "
-            f"batch {batch}{f' per GPU over {shards}' if shards > 1 else ''}, but {device.type} has "
+            f"{name} with {cfg.num_hidden_layers} layers needs about {weights / 1e9:.1f} GB of weights{needs}"
+            f"{f' per GPU over {shards}' if shards > 1 else ''}, but {device.type} has "
             f"{available / 1e9:.1f} GB free: use a smaller --model (e.g. "
             f"default), fewer --layers, a shorter --context or --batch, or a GPU"
         )

@@ -77,6 +77,18 @@ def method_of(row: str) -> str:
     return parse_row(row)[0]
 
 
+def keeps_dense_cache(row: str) -> bool:
+    """Whether a row's run holds a dense-size KV cache: the HF rows, every method that keeps 16-bit K/V, and
+    lossless rows (16-bit K/V beside a method's own storage). Only a compressed cache's rows (`stores_kv`) do not
+    (`generate` then checks the weights alone before it builds the model; a row that does not fit reports out of
+    memory)."""
+    from sparsekv.registry import get_method_class
+
+    if row in HF_ROWS or parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
+        return True
+    return not get_method_class(method_of(row)).stores_kv
+
+
 class _TokenClock:
     """A transformers streamer that records when each token reaches the host (the first `put` is the prompt).
 
@@ -438,13 +450,15 @@ def run_generate(
             if parse_row(row)[1] in (LOSSLESS_SUFFIX, LOSSLESS_COMPILE_SUFFIX):
                 check_lossless(config, draft_tokens)  # and a bad draft count
     check_prefill(prefill, rows, model=model, prefill_chunk_size=prefill_chunk_size)
+    dense_cache = any(keeps_dense_cache(row) for row in rows)
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     started = time.perf_counter()
     if tp > 1:
         if dev.type == "cuda":  # this rank's GPU
             dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context, shards=tp)
+        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context, shards=tp,
+                   dense_cache=dense_cache)
         net = tensor_parallel_model(model, layers=layers, tp=tp, dtype=dtype, seed=seed)
     elif model in REAL_MODELS:
         if layers is not None or tp > 1:
@@ -454,7 +468,8 @@ def run_generate(
         net, tokenizer = load_model(REAL_MODELS[model], dtype=dtype, device=dev)
         ids = embedded_prompts(tokenizer, batch, context).to(dev)
     else:
-        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context)
+        check_fits(model, layers=layers, dtype=dtype, device=dev, batch=batch, context=context,
+                   dense_cache=dense_cache)
         net = build_model(model, layers=layers, dtype=dtype, device=dev, seed=seed)
     say = progress or (lambda _line: None)
     say(f"model ready: {net.config.num_hidden_layers} layers, tp {tp} ({time.perf_counter() - started:.0f} s)")
