@@ -187,7 +187,8 @@ def _override(rows, m2, c, sink, tail, sink_base, s_sk, tail_base, s_tk, HAS_SIN
     where given (the re-rank's centred keys). One load from either copy, and only in a tile that lists a copied
     token (a few tiles of a row; the branch is uniform over the program): H200, 128K x B4, the re-rank 78.1 -> 68.4
     us and the scored attention 49.0 -> 43.0 us against two masked loads in every tile (B16: 285.1 -> 246.0 and
-    167.4 -> 142.5 us)."""
+    167.4 -> 142.5 us); the attention that reads K and V 63.3 -> 63.1 us (B8: 117.0 -> 113.8). A branch around
+    the two loads had made that attention slower (172 against 139 us at B8)."""
     if HAS_SINKS or HAS_TAIL:
         copied = (sink >= 0) | (tail >= 0)
         if tl.max(copied.to(tl.int32), axis=0) > 0:
