@@ -84,6 +84,14 @@ def test_search_rows_and_summary_math():
     assert [t["batch"] for t in rows["dense"]["tries"]] == sorted(t["batch"] for t in rows["dense"]["tries"])
 
 
+def test_summary_takes_a_compiled_dense_row_as_the_reference():
+    reference, rows = summarize([{"row": "self-index@compile", "tokens_per_s": 450.0},
+                                 {"row": "dense@compile", "tokens_per_s": 200.0},
+                                 {"row": "spotlight", "tokens_per_s": 100.0}])  # fmt: skip
+    assert reference == "dense@compile"
+    assert [r["vs_dense"] for r in rows] == [pytest.approx(2.25), pytest.approx(1.0), pytest.approx(0.5)]
+
+
 def test_summary_without_a_dense_row_has_no_ratio():
     reference, rows = summarize([{"row": "self-index", "tokens_per_s": 100.0}, {"row": "dense", "error": "oom"}])
     assert reference is None and rows[0]["vs_dense"] is None

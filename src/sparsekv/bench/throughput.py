@@ -43,11 +43,15 @@ from sparsekv.bench.generate import (
 )
 from sparsekv.config import ConfigError
 
-#: the rows that keep every token: the reference each method's tokens/s is compared with
-DENSE_ROWS = ("hf-dense", "dense")
 DEFAULT_ROWS = ("hf-dense", "dense", "spotlight", "quest", "self-index")
 #: a row's measuring function: (row, batch) -> a `time_generate` result; an "error" key means it did not fit
 Measure = Callable[[str, int], dict]
+
+
+def is_dense_row(row: str) -> bool:
+    """Whether a row keeps every token: the reference each method's tokens/s is compared with. hf-dense, or
+    sparsekv's dense step however it runs (`dense`, `dense@eager`, `dense@compile`)."""
+    return row == "hf-dense" or (row not in HF_ROWS and method_of(row) == "dense")
 
 
 def largest_fitting_batch(fits: Callable[[int], bool], upper: int) -> int:
@@ -106,8 +110,9 @@ def search_row(row: str, measure: Measure, upper: int) -> dict:
 
 def summarize(rows: list[dict]) -> tuple[str | None, list[dict]]:
     """(the reference row, `rows` each with `vs_dense`): tokens/s over that of the fastest dense row (hf-dense or
-    dense, each at its own largest batch); None where a row or the reference has no measurement."""
-    dense = [r for r in rows if r["row"] in DENSE_ROWS and r.get("tokens_per_s")]
+    sparsekv's dense step, `is_dense_row`, each at its own largest batch); None where a row or the reference has no
+    measurement."""
+    dense = [r for r in rows if is_dense_row(r["row"]) and r.get("tokens_per_s")]
     reference = max(dense, key=lambda r: r["tokens_per_s"]) if dense else None
     summary = []
     for r in rows:
@@ -289,7 +294,7 @@ def plot_throughput(result: dict, path: Path) -> Path:
         if not points:
             continue
         (line,) = ax.plot(*zip(*points), marker="o", label=f"{r['row']} (max batch {r['max_batch']})")
-        if r["row"] in DENSE_ROWS and r["first_oom_batch"] is not None:
+        if is_dense_row(r["row"]) and r["first_oom_batch"] is not None:
             oom = r["first_oom_batch"]
             ax.plot(
                 [oom], [points[-1][1]], marker="x", markersize=10, markeredgewidth=2, color=line.get_color()
