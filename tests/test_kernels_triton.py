@@ -169,6 +169,10 @@ def test_chunking_gives_the_remainder_to_the_last_chunk():
     assert chunking(8, 4700, 128, cpu, progs_per_sm=8) == (4, 9)  # 37 tiles: 9, 9, 9, 10
     assert chunking(8, 4900, 128, cpu, progs_per_sm=8) == (4, 10)  # 39 tiles: 10, 10, 10, 9 (3 over 9 each)
     assert chunking(8, 1000, 128, cpu, progs_per_sm=8) == (4, 2)  # 8 tiles: 2, 2, 2, 2
+    # max_tiles: more chunks than the programs per SM ask for, so that each stays within 4-bit counters
+    assert chunking(8, 240 * 512, 512, cpu, progs_per_sm=8) == (4, 60)
+    assert chunking(8, 240 * 512, 512, cpu, progs_per_sm=8, max_tiles=15) == (16, 15)
+    assert chunking(8, 240 * 512, 512, cpu, progs_per_sm=8, max_tiles=15, max_chunks=8) == (8, 30)
 
 
 @here

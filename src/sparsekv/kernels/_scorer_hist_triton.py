@@ -9,11 +9,13 @@ import triton.language as tl
 
 # How the level histograms are built: the scorer's level-0 histogram keeps per-lane packed
 # counters (`packed_bits`: bytes, 4 bins per int32, in a [BLOCK, 8] register tile, about 25 instructions per key;
-# 4-bit counters where a program has at most 15 tiles), reduced across lanes once per program; the level passes
-# use tl.histogram. tl.histogram costs about 4 warp instructions per key at 32 bins, which made the scorer
-# instruction-bound: 76 -> 62 us at 128K x B8 on the H200. In the level-2 pass the packed counters measured
-# slower (100 vs 62 us for the whole select), hence the split.
+# 4-bit counters where a program has at most 15 tiles), reduced across lanes once per program; a level-0 pass
+# uses tl.histogram, and the later level passes, where only the keys under the prefix count, an atomic add per
+# such key (`_topk_triton._level_pass`). tl.histogram costs about 4 warp instructions per key at 32 bins, which
+# made the scorer instruction-bound: 76 -> 62 us at 128K x B8 on the H200. In the level-2 pass the packed
+# counters measured slower (100 vs 62 us for the whole select), hence the split.
 PACKED_MAX_TILES = 255  # byte counters: one lane sees at most this many tiles per program
+NIBBLE_MAX_TILES = 15  # 4-bit counters: half the columns and registers of byte counters
 
 
 @triton.jit
@@ -76,4 +78,4 @@ def packed_bits(nbits: int, tiles_per_program: int, scorer: bool = False, block:
     too_many = tiles_per_program > PACKED_MAX_TILES or tiles_per_program * block >= 1 << 16
     if not scorer or nbits != 5 or too_many:
         return 0
-    return 4 if tiles_per_program <= 15 else 8
+    return 4 if tiles_per_program <= NIBBLE_MAX_TILES else 8

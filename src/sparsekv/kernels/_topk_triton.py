@@ -187,6 +187,14 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
     else:
         prefix = tl.zeros([], dtype=tl.int32)
     SHIFT: tl.constexpr = NBITS * (LEVELS - 1 - LEVEL)
+    out = hist_ptr + ((LEVEL * num_rows + r.to(tl.int64)) * num_chunks + c) * (1 << NBITS)
+    if LEVEL > 0:
+        # Past level 0 only the keys under the prefix count (a few percent of them): each adds one to its bin
+        # with an atomic, in this program's own zeroed bins, instead of every key going through tl.histogram,
+        # which made the pass ALU-bound (H200, 128K x B28, 224 rows: 87 -> 50 us at level 1, 84 -> 37 at
+        # level 2). The barrier orders the zeroing before any thread's atomics.
+        tl.store(out + tl.arange(0, 1 << NBITS), tl.zeros([1 << NBITS], dtype=tl.int32))
+        tl.debug_barrier()
     h = tl.zeros([1 << NBITS], dtype=tl.int32)
     row_ptr = src_ptr + r.to(tl.int64) * stride_row
     length = chunk_length(c, num_chunks, blocks_per_chunk, n_load)
@@ -202,9 +210,14 @@ def _level_pass(src_ptr, hist_ptr, N, n_load, stride_row, lo, k, num_rows, num_c
         nxt = tl.load(
             row_ptr + offs + BLOCK, mask=(offs + BLOCK < n_load) & (loc + BLOCK < length), other=0
         )
-        h += digit_histogram(sortable_key(s, lo, IS_FLOAT), nmask, prefix, SHIFT, NBITS, LEVEL == 0)
-    out = hist_ptr + ((LEVEL * num_rows + r.to(tl.int64)) * num_chunks + c) * (1 << NBITS)
-    tl.store(out + tl.arange(0, 1 << NBITS), h)
+        key = sortable_key(s, lo, IS_FLOAT)
+        if LEVEL > 0:
+            digit, ok = level_digit(key, nmask, prefix, SHIFT, NBITS, False)
+            tl.atomic_add(out + digit, 1, mask=ok, sem="relaxed")
+        else:
+            h += digit_histogram(key, nmask, prefix, SHIFT, NBITS, True)
+    if LEVEL == 0:
+        tl.store(out + tl.arange(0, 1 << NBITS), h)
 
 
 @triton.jit
@@ -462,17 +475,22 @@ def _compact_pairs_kernel(
 
 
 def chunking(
-    rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128, progs_per_sm: int = 16
+    rows: int, n: int, block: int, device: torch.device, max_chunks: int = 128, progs_per_sm: int = 16,
+    max_tiles: int | None = None,
 ) -> tuple[int, int]:
     """(num_chunks, blocks_per_chunk): enough programs to fill the GPU, each streaming several blocks; chunk c
-    starts at block c * blocks_per_chunk, and the last chunk ends with the row."""
+    starts at block c * blocks_per_chunk, and the last chunk ends with the row. max_tiles: at least as many chunks
+    as keep each one within that many blocks (up to max_chunks)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     blocks = triton.cdiv(n, block)
     # progs_per_sm programs per SM at most: 64 rows of 131077 keys in 17 chunks left 32 programs for a second wave
     # (H200: score + select 86.4 us, 79.9 us in 16 chunks). Whether they are one wave depends on the compiled
     # kernel: triton 3.6 gives the scorer 72 registers, 7 programs per SM, and capping it at 8 was slower
     # (docs/kernels-notes.md, Hamming scorer)
-    want_chunks = min(max_chunks, max(1, progs_per_sm * sms // rows))
+    want_chunks = max(1, progs_per_sm * sms // rows)
+    if max_tiles is not None:
+        want_chunks = max(want_chunks, triton.cdiv(blocks, max_tiles))
+    want_chunks = min(max_chunks, want_chunks)
     # The last chunk always runs to the end of the row. A row a tile or two longer than want_chunks equal
     # chunks (decode lengths 2**17 + t: 257 tiles of 512 for 16 chunks) gives those tiles to the last chunk
     # rather than one more tile to every chunk (17 each: score + select 69.6 vs 65.1 us at 2**17, H200).
