@@ -21,7 +21,7 @@ from sparsekv.kernels._sparse_attention_triton import (
     store_split_partial,
 )
 from sparsekv.kernels._tl_utils import chunk_and_row
-from sparsekv.kernels._triton import check_grid, interpreting, next_pow2, row_grid
+from sparsekv.kernels._triton import check_grid, interpreting, next_pow2, register_cap, row_grid
 
 # attention launch. precision "auto": 3xTF32 dots for float32 queries (float32 accuracy on tensor cores; plain IEEE
 # float32 dots run on the FMA units: 1481 us vs 195 us at 128K x B8 on the H200), one TF32 pass for 16-bit queries,
@@ -35,7 +35,10 @@ ATTN_TUNE = {"block": 16, "num_warps": 2, "precision": "auto", "split_keys": 80,
 # re-rank of 3 x 2% of 128K: 16 tokens a program with 2 warps took 74.3 us at B4 and 467.1 us at B28, against 74.9 /
 # 461.6 us with 32 tokens and 2 warps, and 81-83 / 509-525 us with 1 or 4 warps or 8 tokens a program; before the
 # one-load copies, at B4: 90.2 / 110.5 us with 32 / 64 tokens and 4 warps against 77.6 (scripts/gpu_probe.py selfindex)
-KEYS_TUNE = {"block": 16, "num_warps": 2}
+# Capping the re-rank at 64 registers a thread (from 96: 10 -> 16 programs a SM) hides more of the latency of its
+# gathered loads: 74.5 -> 66.5 us at B4, 467.4 -> 405.3 us at B28, the same scores (H200, Llama-3-8B shapes); caps on the
+# scored attention (96 -> 64: 40 -> 132 us at B4) and the LUT first stage made them slower
+KEYS_TUNE = {"block": 16, "num_warps": 2, "max_registers": 64}
 # the scored attention: `ATTN_TUNE`'s tiles and splits, one warp a program (no K to dequantize: V's tile alone):
 # 40.1 / 241.7 us at 128K x B4 / B28 against 43.7 / 244.9 with 2 warps, 46.3 / 263.9 with 4
 SCORED_WARPS = 1
@@ -307,6 +310,7 @@ def compressed_key_scores_triton(query, kv, index, tail_from):
         *kv.sign_bits.stride()[:3], *kv.k_mag.stride()[:3], *kv.k_scale.stride()[:3], *kv.alpha.stride()[:2],
         *cp["sinkpos"].stride()[:2], *cp["sink_k"].stride()[:3], *cp["tail_k"].stride()[:3],
         BLOCK=block, G=g, num_warps=KEYS_TUNE["num_warps"], **cp["meta"], **_key_layout(kv),
+        **register_cap(index.device, KEYS_TUNE["max_registers"]),
     )  # fmt: skip
     return out if query.dim() == 5 else out.squeeze(2)
 

@@ -48,6 +48,11 @@ def pdl_launch(device: torch.device) -> dict:
     return {"USE_PDL": True, "launch_pdl": True} if on else {}
 
 
+def register_cap(device: torch.device, registers: int) -> dict:
+    """Launch arguments that cap a kernel's registers a thread (PTX .maxnreg) on CUDA; none in the interpreter."""
+    return {"maxnreg": registers} if device.type == "cuda" and not interpreting() else {}
+
+
 # CUDA's grid limits: programs per launch along axis x, y, z. A launch beyond them fails with the bare
 # "Triton Error [CUDA]: invalid argument" (2 x 32 heads x 16K queries = 1M rows on axis y did, on an H100).
 MAX_GRID = (2**31 - 1, 65535, 65535)
