@@ -360,3 +360,25 @@ def test_write_slots_writes_each_new_token_at_its_slot():
     write_slots(keys, values, torch.tensor([7, 3]), new, -new)
     assert torch.equal(keys[:, :, [7, 3]], new) and torch.equal(values[:, :, [7, 3]], -new)
     assert not keys[:, :, [0, 1, 2, 4, 5, 6, 8, 9]].any()
+
+
+def test_sparse_attention_reference_takes_sdpa_output_in_any_layout(monkeypatch):
+    """A masked CUDA SDPA may return its [B, Hkv, rows, d] output in a layout of its own (torch 2.11 on an H200: a
+    strided view that `.view` cannot regroup); the reference's result must not depend on it."""
+    import torch.nn.functional as F
+
+    from sparsekv.kernels import sparse_attention as sa
+
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 8, 1, 16, generator=gen)
+    keys, values = torch.randn(2, 2, 40, 16, generator=gen), torch.randn(2, 2, 40, 16, generator=gen)
+    indices = torch.randint(0, 40, (2, 2, 1, 9), generator=gen)
+    want = sa.sparse_attention_reference(query, keys, values, indices, None, 0.25)
+    sdpa = F.scaled_dot_product_attention
+
+    def other_layout(*args, **kwargs):  # the same values, stored [B, rows, Hkv, d]
+        out = sdpa(*args, **kwargs)
+        return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(sa.F, "scaled_dot_product_attention", other_layout)
+    torch.testing.assert_close(sa.sparse_attention_reference(query, keys, values, indices, None, 0.25), want)
