@@ -172,7 +172,7 @@ def lut_topk_fixed_triton(table, sign_codes, k, written, forced, *, sink=0, loca
     block = SELECT_TUNE["block"] if n >= 8192 else 128
     # chunks of at most 15 tiles keep the level-0 counters 4-bit: the scorer's registers at 128K x B28 (224 rows)
     # were 213 with byte counters (9 chunks of 57 tiles, 8 programs of 2 warps a SM) and the whole first stage
-    # 551.7 us against 504.3 us in 37 chunks of 14 tiles (H200)
+    # 551.7 us against 508.8 us in 35 chunks of 15 tiles (H200)
     num_chunks, bpc = chunking(rows, n, block, codes.device, max_chunks=max_chunks(nbits),
                                progs_per_sm=SELECT_TUNE["progs_per_sm"], max_tiles=NIBBLE_MAX_TILES)  # fmt: skip
     # the selection reads each row of ranks in 16-byte vectors: rows padded to a multiple of 64
