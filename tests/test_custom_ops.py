@@ -250,8 +250,8 @@ def _scored_attention():
     valid[..., 0] = True
     tail_from = torch.tensor([17, 18, 37])
     return [
-        (scores, pick, indices, valid, 0.15, tf32, tail_from, dtype, *_compressed_kv_fields(gen, channel))
-        for channel, tf32, dtype in ((False, False, torch.float32), (True, True, torch.bfloat16))
+        (scores, pick, indices, valid, 0.15, tail_from, dtype, *_compressed_kv_fields(gen, channel))
+        for channel, dtype in ((False, torch.float32), (True, torch.bfloat16))
     ]
 
 

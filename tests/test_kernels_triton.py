@@ -995,10 +995,10 @@ def test_compressed_kv_kernels(k_bits, channel_axis, midrise, zero, sinks, tail,
     chosen, valid = index.gather(-1, pick), valid[..., :21]
     got = ck.scored_attention_triton(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.float32)
     ref = scored_attention_reference(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.float32)
-    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), rtol=1e-4, atol=1e-4)  # float32 FMAs, no TF32 dot
     direct = compressed_attention_reference(query, kv, chosen, valid, 0.125, tail_from)
     torch.testing.assert_close(ref.cpu(), direct.cpu(), rtol=1e-5, atol=1e-5)
-    got = ck.scored_attention_triton(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.bfloat16, tf32=True)
+    got = ck.scored_attention_triton(scores, pick, kv, chosen, valid, 0.125, tail_from, torch.bfloat16)
     assert got.dtype == torch.bfloat16  # the model's dtype, as its query
     torch.testing.assert_close(got.cpu().float(), ref.cpu(), rtol=1e-2, atol=1e-2)
 

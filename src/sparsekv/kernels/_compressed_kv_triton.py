@@ -39,8 +39,9 @@ ATTN_TUNE = {"block": 16, "num_warps": 2, "precision": "auto", "split_keys": 80,
 # gathered loads: 74.5 -> 66.5 us at B4, 467.4 -> 405.3 us at B28, the same scores (H200, Llama-3-8B shapes); caps on the
 # scored attention (96 -> 64: 40 -> 132 us at B4) and the LUT first stage made them slower
 KEYS_TUNE = {"block": 16, "num_warps": 2, "max_registers": 64}
-# the scored attention: `ATTN_TUNE`'s tiles and splits, one warp a program (no K to dequantize: V's tile alone):
-# 40.1 / 241.7 us at 128K x B4 / B28 against 43.7 / 244.9 with 2 warps, 46.3 / 263.9 with 4
+# the scored attention: `ATTN_TUNE`'s tiles and splits, one warp a program (no K to dequantize: V's tile alone). With
+# P @ V on the FMA units: 29.5 / 119.5 us at 128K x B4 / B28 against 39.4 / 242.9 us for a TF32 tensor-core dot
+# padded to 16 heads, 35.1 / 130.0 us with 8 tokens a tile, and slower still with 2 or 4 warps (H200)
 SCORED_WARPS = 1
 
 
@@ -437,10 +438,10 @@ def _scored_attention_kernel(
     s_v_b, s_v_h, s_v, s_vs_b, s_vs_h, s_vs, s_sp_b, s_sp_h, s_sk_b, s_sk_h, s_sk, s_tk_b, s_tk_h, s_tk,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, VBITS: tl.constexpr,
     VGROUP: tl.constexpr, SP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_TAIL: tl.constexpr, BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):  # fmt: skip
     """`_attention_kernel` with the logits read from the re-rank's scores (scores[g, pick[j]]) instead of computed
-    from dequantized keys: only V is gathered."""
+    from dequantized keys: only V is gathered. P @ V runs on the FMA units in float32, one head of the GQA group at a
+    time: a tensor-core dot would pad the group to 16 rows for a [G, BLOCK] x [BLOCK, D] product."""
     sp, r = chunk_and_row()
     qi = r % Q
     h = (r // Q) % H
@@ -479,7 +480,10 @@ def _scored_attention_kernel(
         values = _override(values, ok[:, None] & cmask[None, :], c, sink, tail, sink_v, s_sk, tail_v, s_tk,
                            HAS_SINKS, HAS_TAIL)  # fmt: skip
         m_i, corr, p, l_i = online_softmax_block(m_i, l_i, sc)
-        acc = acc * corr[:, None] + tl.dot(p, values, input_precision=PRECISION)
+        acc = acc * corr[:, None]
+        for g in tl.static_range(G):
+            p_g = tl.sum(tl.where(heads[:, None] == g, p, 0.0), axis=0)  # [BLOCK]: head g's probabilities
+            acc += tl.where(heads[:, None] == g, tl.sum(p_g[:, None] * values, axis=0)[None, :], 0.0)
     row = (b64 * HQ + h * G + heads) * Q + qi  # [GP] rows of the (B, Hq, Q) output
     store_split_partial(o_ptr, lse_ptr, row, sp, num_splits, acc, l_i, m_i, c, D, hmask, cmask)
 
@@ -494,7 +498,7 @@ def _splits(kk: int, rows: int, device: torch.device) -> tuple[int, int]:
     return max(1, triton.cdiv(kk, split_len)), split_len
 
 
-def scored_attention_triton(scores, pick, kv, indices, valid, scaling, tail_from, dtype, tf32=False):
+def scored_attention_triton(scores, pick, kv, indices, valid, scaling, tail_from, dtype):
     _check_rows(kv)
     b, h, g, q, _ = scores.shape
     d, kk = kv.head_dim, indices.shape[3]
@@ -512,8 +516,8 @@ def scored_attention_triton(scores, pick, kv, indices, valid, scaling, tail_from
         cp["tail_len"], scores.stride(0), scores.stride(1), scores.stride(2), scores.stride(3), *pick.stride()[:3],
         *indices.stride()[:3], *valid.stride()[:3], *kv.v.stride()[:3], *kv.v_scale.stride()[:3],
         *cp["sinkpos"].stride()[:2], *cp["sink_v"].stride()[:3], *cp["tail_v"].stride()[:3],
-        G=g, GP=max(16, next_pow2(g)), D=d, DP=next_pow2(d), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
-        BLOCK=ATTN_TUNE["block"], PRECISION=_precision(torch.float32, tf32), num_warps=SCORED_WARPS,
+        G=g, GP=next_pow2(g), D=d, DP=next_pow2(d), VBITS=kv.v_bits, VGROUP=d // kv.v_scale.shape[-1],
+        BLOCK=ATTN_TUNE["block"], num_warps=SCORED_WARPS,
         SP=cp["meta"]["SP"], HAS_SINKS=cp["meta"]["HAS_SINKS"], HAS_TAIL=cp["meta"]["HAS_TAIL"],
     )  # fmt: skip
     out = torch.empty(b, h * g, q, d, dtype=dtype, device=scores.device)

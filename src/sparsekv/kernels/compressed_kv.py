@@ -286,28 +286,25 @@ def scored_attention(
     scaling: float,
     tail_from: torch.Tensor,
     dtype: torch.dtype,
-    tf32: bool = False,
 ) -> torch.Tensor:
     """The op `sparsekv::scored_attention` (see the reference for shapes): a split-K Triton kernel on CUDA that
-    reads only V (the re-rank's scores stand in for q . K), the reference elsewhere. tf32: the weights x V dots in
-    one TF32 pass (a 16-bit model's precision; see `compressed_attention`)."""
-    return _scored_attention_op(scores, pick, indices, valid, float(scaling), bool(tf32), tail_from, dtype,
-                                *_fields_of(kv))  # fmt: skip
+    reads only V (the re-rank's scores stand in for q . K) and accumulates in float32, the reference elsewhere."""
+    return _scored_attention_op(scores, pick, indices, valid, float(scaling), tail_from, dtype, *_fields_of(kv))
 
 
 @torch.library.custom_op(
     "sparsekv::scored_attention", mutates_args=(),
-    schema="(Tensor scores, Tensor pick, Tensor indices, Tensor valid, float scaling, bool tf32, Tensor tail_from, "
+    schema="(Tensor scores, Tensor pick, Tensor indices, Tensor valid, float scaling, Tensor tail_from, "
     f"ScalarType dtype, {_KV_SCHEMA}) -> Tensor",
 )  # fmt: skip
-def _scored_attention_op(scores, pick, indices, valid, scaling, tf32, tail_from, dtype, *kv_fields):
+def _scored_attention_op(scores, pick, indices, valid, scaling, tail_from, dtype, *kv_fields):
     """CPU (and any device without its own kernel): the reference."""
     kv = CompressedKV(*kv_fields)
     return scored_attention_reference(scores, pick, kv, indices, valid, scaling, tail_from, dtype)
 
 
 @_scored_attention_op.register_kernel("cuda")
-def _scored_attention_cuda(scores, pick, indices, valid, scaling, tf32, tail_from, dtype, *kv_fields):
+def _scored_attention_cuda(scores, pick, indices, valid, scaling, tail_from, dtype, *kv_fields):
     from sparsekv.kernels._triton import kernel, use_triton
 
     kv = CompressedKV(*kv_fields)
@@ -315,11 +312,11 @@ def _scored_attention_cuda(scores, pick, indices, valid, scaling, tf32, tail_fro
             and scores.dtype == torch.float32):  # fmt: skip
         impl = kernel("_compressed_kv_triton", "scored_attention_triton")
         if impl is not None:
-            return impl(scores, pick, kv, indices, valid, scaling, tail_from, dtype, tf32=tf32)
+            return impl(scores, pick, kv, indices, valid, scaling, tail_from, dtype)
     return scored_attention_reference(scores, pick, kv, indices, valid, scaling, tail_from, dtype)
 
 
 @_scored_attention_op.register_fake
-def _scored_attention_fake(scores, pick, indices, valid, scaling, tf32, tail_from, dtype, *kv_fields):
+def _scored_attention_fake(scores, pick, indices, valid, scaling, tail_from, dtype, *kv_fields):
     b, h, g, q, _ = scores.shape
     return scores.new_empty(b, h * g, q, CompressedKV(*kv_fields).head_dim, dtype=dtype)

@@ -88,14 +88,13 @@ def attend(
 
 def attend_scored(
     kv: CompressedStore, step: DecodeStep, selection: Selection, scores: torch.Tensor, pick: torch.Tensor,
-    scaling: float, model_dtype: torch.dtype,
+    scaling: float,
 ) -> torch.Tensor:
     """`attend` for a selection of re-ranked candidates: each selected entry's logits are its re-rank scores
     (`candidate_scores` per head [B, Hkv, G, Q, C]; pick [B, Hkv, Q, K] = its candidate), so only V is read."""
     view, indices = kv.kernel_view(), selection.indices
     tail_from = _tail_from(kv, step, step.query.device)
-    tf32 = model_dtype != torch.float32
     parts = [scored_attention(scores[:, :, :, part], pick[:, :, part], view, indices[:, :, part],
-                              selection.valid[:, :, part], scaling, tail_from[part], step.query.dtype, tf32=tf32)
+                              selection.valid[:, :, part], scaling, tail_from[part], step.query.dtype)
              for part in _query_slices(step.query, indices)]  # fmt: skip
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)

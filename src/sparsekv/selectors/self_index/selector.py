@@ -606,7 +606,7 @@ class SelfIndexSelector(TokenSelector):
         if self.compressed:  # dequantizes only the selected tokens' bytes (in registers on the kernels)
             scored, self._scored = self._scored, None
             if scored is not None and scored[0] is selection.indices:  # this step's fused selection
-                return unrotate(device.attend_scored(kv, step, selection, scored[1], scored[2], scaling, model_dtype))
+                return unrotate(device.attend_scored(kv, step, selection, scored[1], scored[2], scaling))
             return unrotate(device.attend(kv, step, selection, scaling, model_dtype))
         keys, values = kv.rows.view("k_full"), kv.rows.view("v_full")
         out = sparse_attention(step.query, keys, values, selection.indices, selection.valid, scaling,
